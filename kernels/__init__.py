@@ -1,0 +1,1 @@
+"""Compute kernels: Triton implementations beside plain torch references."""

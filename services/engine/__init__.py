@@ -1,0 +1,1 @@
+"""The inference engine: model loading, paged KV cache, scheduler, sampling, async API."""
