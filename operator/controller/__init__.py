@@ -1,0 +1,1 @@
+"""Kubernetes operator (kopf) reconciling InferenceService resources."""

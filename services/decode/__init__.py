@@ -1,0 +1,1 @@
+"""Decode worker: receives prefilled KV blocks and generates tokens."""

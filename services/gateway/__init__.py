@@ -1,0 +1,1 @@
+"""Gateway: OpenAI-compatible HTTP API, tenants, quotas, queueing, routing, metrics."""

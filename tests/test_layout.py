@@ -1,0 +1,45 @@
+"""The repo's folders map onto one import root and shadow no stdlib module."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_from_root(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_stdlib_operator_is_not_shadowed_from_repo_root():
+    # Run in a fresh interpreter whose sys.path[0] is the repo root.
+    path = run_from_root("import operator; print(operator.__file__)")
+    assert not path.startswith(str(ROOT)), path
+    assert run_from_root("import operator; print(operator.add(2, 3))") == "5"
+
+
+def test_kvrelay_operator_is_ours():
+    path = run_from_root("import kvrelay.operator as o; print(o.__file__)")
+    assert path.startswith(str(ROOT / "operator")), path
+
+
+def test_no_root_folder_is_a_stdlib_package():
+    for child in ROOT.iterdir():
+        if child.is_dir() and (child / "__init__.py").exists():
+            assert child.name not in sys.stdlib_module_names, f"{child.name}/ shadows the stdlib module"
+
+
+def test_subpackages_map_to_design_folders():
+    import kvrelay.engine
+    import kvrelay.kernels
+
+    assert Path(kvrelay.engine.__file__).parent == ROOT / "services" / "engine"
+    assert Path(kvrelay.kernels.__file__).parent == ROOT / "kernels"
+
+
+def test_bundled_model_is_packaged():
+    from kvrelay.models import BUNDLED_MODEL
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "LICENSE"):
+        assert (BUNDLED_MODEL / name).is_file(), name
