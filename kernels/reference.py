@@ -1,0 +1,182 @@
+"""Plain torch references for every kernel. The engine runs these on CPU.
+
+Shapes and layout, shared with the Triton kernels (same signatures):
+- T tokens in a step, Hq query heads, Hkv KV heads, D head dim, B sequences.
+- KV cache of the whole model: kv_cache[L, 2, num_blocks, block_size, Hkv, D]; one layer's
+  K cache is kv_cache[l, 0] (contiguous [num_blocks, block_size, Hkv, D]), V is kv_cache[l, 1].
+- A token's slot is block_id * block_size + offset_in_block.
+- block_tables[B, max_blocks] int32: a sequence's blocks in order (unused entries arbitrary).
+- seq_lens[B] int32: tokens of context per sequence, including this step's new tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32, as HF Llama does."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-rotation rotary embedding (HF Llama layout).
+
+    positions[T] int64; q[T, Hq, D], k[T, Hkv, D]; cos_sin_cache[max_pos, D] fp32 holding
+    cos in the first D/2 columns and sin in the last D/2 (rope scaling is baked into the cache).
+    """
+    half = cos_sin_cache.shape[-1] // 2
+    cs = cos_sin_cache.index_select(0, positions)
+    cos = torch.cat([cs[:, :half], cs[:, :half]], dim=-1).unsqueeze(1).to(q.dtype)
+    sin = torch.cat([cs[:, half:], cs[:, half:]], dim=-1).unsqueeze(1).to(q.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half], x[..., half:]
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x[T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter key/value[T, Hkv, D] into one layer's caches at slot_mapping[T] (slot < 0: skip)."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    num_blocks, block_size = k_cache.shape[:2]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+
+
+def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first `length` tokens from a paged layer cache: [length, Hkv, D]."""
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence against its whole paged context. q[B, Hq, D] -> [B, Hq, D]."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(seq_lens.max())
+    block_size = k_cache.shape[1]
+    num_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :num_blocks].long()
+    # [B, nb, bs, Hkv, D] -> [B, Hkv, ctx, D], padded to the longest sequence.
+    k = k_cache[table].flatten(1, 2)[:, :max_len].permute(0, 2, 1, 3).float()
+    v = v_cache[table].flatten(1, 2)[:, :max_len].permute(0, 2, 1, 3).float()
+    qg = q.float().view(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, G, ctx]
+    pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None].long()
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, Hkv, G, D]
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A chunk of new tokens per sequence, causal over its cached prefix plus itself.
+
+    q[T, Hq, D] packs the sequences' new tokens; sequence b owns rows
+    query_start_loc[b]:query_start_loc[b+1], which sit at the last positions of its
+    seq_lens[b] tokens of context. Their K/V are already written to the cache.
+    """
+    out = torch.empty_like(q)
+    num_heads = q.shape[1]
+    block_size = k_cache.shape[1]
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, ctx in enumerate(lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        blocks = block_tables[b, : (ctx + block_size - 1) // block_size].long()
+        k = _gather_context(k_cache, blocks, ctx)
+        v = _gather_context(v_cache, blocks, ctx)
+        group = num_heads // k.shape[1]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        # Query i (absolute position ctx - q_len + i) sees keys 0 .. ctx - q_len + i.
+        qpos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
+        qb = q[q_start:q_end].transpose(0, 1).float()
+        o = F.scaled_dot_product_attention(
+            qb, k.transpose(0, 1).float(), v.transpose(0, 1).float(), attn_mask=mask, scale=scale
+        )
+        out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, layer_start: int, layer_end: int
+) -> torch.Tensor:
+    """Pack blocks of layers [layer_start, layer_end) into one contiguous buffer.
+
+    Returns [layer_end - layer_start, 2, n, block_size, Hkv, D].
+    """
+    return kv_cache[layer_start:layer_end, :, block_ids.long()].contiguous()
+
+
+def scatter_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor, layer_start: int, layer_end: int
+) -> None:
+    """Unpack a gather_blocks buffer into block_ids of layers [layer_start, layer_end)."""
+    kv_cache[layer_start:layer_end, :, block_ids.long()] = buffer.to(kv_cache.dtype)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: weight[N, K] -> (int8[N, K], fp32 scale[N])."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int8_matmul(
+    x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x[M, K] @ dequant(weight_int8[N, K], scale[N]).T (+ bias) in x's dtype."""
+    out = torch.matmul(x.float(), weight_int8.float().t()) * scale.float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
