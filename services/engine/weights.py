@@ -1,0 +1,185 @@
+"""Load a decoder's weights from safetensors (single or sharded), or make random ones (dummy)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvrelay.engine.errors import ModelLoadError
+from kvrelay.engine.model_config import ModelConfig
+
+
+@dataclass
+class Linear:
+    """A linear layer's weight [out, in] and optional bias; int8 weights carry per-row scales."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    scale: torch.Tensor | None = None  # set when weight is int8
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: Linear  # q, k, v fused along the output dim
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear  # gate and up fused along the output dim
+    down: Linear
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor  # the embedding itself when tied
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, for every tensor the decoder reads."""
+    h, i, v, d = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (config.q_size, h)
+        shapes[p + "self_attn.k_proj.weight"] = (config.kv_size, h)
+        shapes[p + "self_attn.v_proj.weight"] = (config.kv_size, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, config.q_size)
+        if config.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (config.q_size,)
+            shapes[p + "self_attn.k_proj.bias"] = (config.kv_size,)
+            shapes[p + "self_attn.v_proj.bias"] = (config.kv_size,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "mlp.gate_proj.weight"] = (i, h)
+        shapes[p + "mlp.up_proj.weight"] = (i, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
+    return shapes
+
+
+def _shard_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index (needs a 'weight_map'): {e}") from e
+        files = {name: model_dir / fname for name, fname in weight_map.items()}
+        for f in set(files.values()):
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: missing; it is listed in {index.name}")
+        return files
+    singles = sorted(model_dir.glob("*.safetensors"))
+    if not singles:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors file and no model.safetensors.index.json")
+    files: dict[str, Path] = {}
+    for f in singles:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                files[name] = f
+    return files
+
+
+def read_tensors(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    shapes = expected_shapes(config)
+    files = _shard_files(model_dir)
+    missing = [n for n in shapes if n not in files]
+    if missing:
+        where = ", ".join(sorted({files_path.name for files_path in files.values()})) or "no file"
+        raise ModelLoadError(
+            f"{model_dir}: tensor {missing[0]!r} (expected shape {list(shapes[missing[0]])}) is missing "
+            f"from {where}" + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else "")
+        )
+    by_file: dict[Path, list[str]] = {}
+    for name in shapes:
+        by_file.setdefault(files[name], []).append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    total_bytes = sum(f.stat().st_size for f in by_file)
+    show_progress = total_bytes > 512 * 2**20
+    started, done_bytes = time.monotonic(), 0
+    for k, (path, names) in enumerate(sorted(by_file.items())):
+        with safe_open(str(path), framework="pt") as st:
+            for name in names:
+                shape = tuple(st.get_slice(name).get_shape())
+                if shape != shapes[name]:
+                    raise ModelLoadError(
+                        f"{path.name}: tensor {name!r} has shape {list(shape)}, expected {list(shapes[name])} "
+                        f"from config.json"
+                    )
+                tensors[name] = st.get_tensor(name).to(dtype)
+        done_bytes += path.stat().st_size
+        if show_progress:
+            print(
+                f"loading weights: shard {k + 1}/{len(by_file)} {done_bytes / 2**30:.1f}/{total_bytes / 2**30:.1f} GiB "
+                f"({time.monotonic() - started:.1f}s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    return tensors
+
+
+def dummy_tensors(config: ModelConfig, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights at the config's shapes (for benchmarks at real sizes)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in expected_shapes(config).items():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            out[name] = torch.ones(shape, dtype=dtype)
+        elif name.endswith(".bias"):
+            out[name] = torch.zeros(shape, dtype=dtype)
+        else:
+            out[name] = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
+    return out
+
+
+def assemble(config: ModelConfig, t: dict[str, torch.Tensor]) -> ModelWeights:
+    layers = []
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        a = p + "self_attn."
+        qkv_bias = None
+        if config.qkv_bias:
+            qkv_bias = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]])
+        layers.append(
+            LayerWeights(
+                input_norm=t[p + "input_layernorm.weight"],
+                qkv=Linear(
+                    torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]]), qkv_bias
+                ),
+                q_norm=t.get(a + "q_norm.weight"),
+                k_norm=t.get(a + "k_norm.weight"),
+                o_proj=Linear(t[a + "o_proj.weight"]),
+                post_norm=t[p + "post_attention_layernorm.weight"],
+                gate_up=Linear(torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]])),
+                down=Linear(t[p + "mlp.down_proj.weight"]),
+            )
+        )
+    embed = t["model.embed_tokens.weight"]
+    return ModelWeights(
+        embed=embed,
+        layers=layers,
+        norm=t["model.norm.weight"],
+        lm_head=embed if config.tie_word_embeddings else t["lm_head.weight"],
+    )
+
+
+def quantize_linears(weights: ModelWeights, quantize_int8) -> None:
+    """Replace every projection inside the decoder layers with int8 weights + per-row scales."""
+    for layer in weights.layers:
+        for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            lin.weight, lin.scale = quantize_int8(lin.weight)
