@@ -1,0 +1,82 @@
+"""Incremental detokenization and stop strings.
+
+Text is emitted as the difference between decoding a short window of tokens with and
+without the newest ones, so it never ends inside a UTF-8 character split over byte-fallback
+tokens, and leading-space rules of the decoder apply exactly as in a full decode.
+Text that could be the start of a stop string is held back until it is known not to be one.
+"""
+
+from __future__ import annotations
+
+from kvrelay.engine.tokenizer import Tokenizer
+
+CONTEXT_TOKENS = 6  # prompt tokens used as left context for the first generated token
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.prefix_text = self._decode(self.ids)
+        self.stop = stop
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.text = ""  # all text decoded so far (truncated at a stop string)
+        self.emitted = 0  # characters of self.text already handed out
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add_token(self, token_id: int) -> str | None:
+        """Feed one token; returns the stop string if the text now contains one."""
+        self.ids.append(token_id)
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(self.prefix_text) or new_text.endswith("\ufffd"):
+            return None  # incomplete character, or nothing visible yet
+        delta = new_text[len(self.prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        return self._append(delta)
+
+    def _append(self, delta: str) -> str | None:
+        start = max(0, len(self.text) - self.max_stop_len + 1)
+        self.text += delta
+        if not self.stop:
+            return None
+        best = None
+        for s in self.stop:
+            idx = self.text.find(s, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        self.text = self.text[: best[0]]
+        self.stopped = True
+        return best[1]
+
+    def take(self, final: bool = False) -> str:
+        """The text not handed out yet, minus a tail that may still become a stop string."""
+        if final:
+            # Flush bytes still waiting to complete a character.
+            rest = self._decode(self.ids[self.prefix_offset :])
+            if len(rest) > len(self.prefix_text) and not self.stopped:
+                self.text += rest[len(self.prefix_text) :]
+                self.prefix_text = rest
+            end = len(self.text)
+        else:
+            end = len(self.text) - self._held_back()
+        out = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        for n in range(min(self.max_stop_len - 1, len(self.text)), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0

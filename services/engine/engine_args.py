@@ -1,0 +1,66 @@
+"""Engine settings, shared by `kvrelay generate`, `serve`, `prefill` and `decode`."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+
+from kvrelay.models import BUNDLED_MODEL
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'512MiB', '2g', '1048576' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1048576)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class EngineArgs:
+    model: str = str(BUNDLED_MODEL)
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto: the config's torch_dtype (float32 for the bundled model)
+    load_format: str = "auto"  # auto | dummy (random weights from config.json alone)
+    quantization: str | None = None  # None | "int8" (weight-only, per output channel)
+    block_size: int = 16
+    kv_cache_memory: int = 512 * 2**20  # bytes for the paged KV pool
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    enable_prefix_caching: bool = True
+    kernel_backend: str = "auto"  # auto | torch | triton
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0  # dummy weights and unseeded sampling
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = EngineArgs()
+        parser.add_argument("--model", default=d.model, help="Hugging Face model folder (default: bundled stories260K)")
+        parser.add_argument("--served-model-name", default=None, help="model id clients use (default: folder name)")
+        parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+        parser.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
+        parser.add_argument("--quantization", default=None, choices=["int8"])
+        parser.add_argument("--block-size", type=int, default=d.block_size)
+        parser.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
+                            help="memory for the paged KV cache, e.g. 512MiB")
+        parser.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
+        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+        parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        parser.add_argument("--kernel-backend", default=d.kernel_backend, choices=["auto", "torch", "triton"])
+        parser.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+        parser.add_argument("--seed", type=int, default=d.seed)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)})

@@ -1,0 +1,327 @@
+"""The synchronous engine core: requests in, one scheduled forward pass per step, outputs out.
+
+Not thread-safe: AsyncEngine drives it from a single thread.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from pathlib import Path
+
+import torch
+
+from kvrelay.engine.block_pool import BlockPool
+from kvrelay.engine.detokenizer import IncrementalDetokenizer
+from kvrelay.engine.engine_args import EngineArgs
+from kvrelay.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from kvrelay.engine.model import DecoderModel, StepBatch
+from kvrelay.engine.model_config import load_model_config, parse_dtype
+from kvrelay.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from kvrelay.engine.sampler import sample
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.scheduler import Scheduler, SchedulerConfig
+from kvrelay.engine.sequence import Sequence
+from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.engine.weights import assemble, dummy_tensors, quantize_linears, read_tensors
+from kvrelay.kernels.registry import get_ops
+
+
+def _read_generation_config(model_dir: Path) -> dict:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
+
+
+def _as_id_set(value) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in (value if isinstance(value, list) else [value])}
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        model_dir = Path(args.model)
+        if not model_dir.is_dir():
+            raise ModelLoadError(f"{model_dir}: model folder not found")
+        self.config = load_model_config(model_dir)
+        self.model_name = args.served_model_name or model_dir.name
+        self.tokenizer = Tokenizer(model_dir)
+        self.generation_config = _read_generation_config(model_dir)
+        dtype_name = args.dtype if args.dtype != "auto" else (self.config.torch_dtype or "float32")
+        self.dtype = parse_dtype(dtype_name)
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        self.ops = get_ops(args.kernel_backend)
+
+        limits = [self.config.max_position_embeddings]
+        if self.config.sliding_window:
+            limits.append(self.config.sliding_window)  # full attention is exact below the window
+        self.max_model_len = min(limits)
+        if args.max_model_len is not None:
+            if args.max_model_len > self.max_model_len:
+                raise ValueError(
+                    f"--max-model-len {args.max_model_len} exceeds what the model supports ({self.max_model_len})"
+                )
+            self.max_model_len = args.max_model_len
+
+        if args.load_format == "dummy":
+            tensors = dummy_tensors(self.config, self.dtype, seed=args.seed)
+        elif args.load_format == "auto":
+            tensors = read_tensors(model_dir, self.config, self.dtype)
+        else:
+            raise ValueError(f"load format must be 'auto' or 'dummy', got {args.load_format!r}")
+        weights = assemble(self.config, {k: v.to(self.device) for k, v in tensors.items()})
+        if args.quantization == "int8":
+            quantize_linears(weights, self.ops.quantize_int8)
+        elif args.quantization is not None:
+            raise ValueError(f"quantization must be None or 'int8', got {args.quantization!r}")
+        self.model = DecoderModel(self.config, weights, self.ops, self.max_model_len)
+
+        cfg = self.config
+        bs = args.block_size
+        bytes_per_block = cfg.num_layers * 2 * bs * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        num_blocks = args.num_kv_blocks or args.kv_cache_memory // bytes_per_block
+        if num_blocks * bs < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), less than one "
+                f"sequence of max_model_len {self.max_model_len}: raise --kv-cache-memory or lower --max-model-len"
+            )
+        self.kv_cache = torch.zeros(
+            (cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim), dtype=self.dtype, device=self.device
+        )
+        self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs), self.pool
+        )
+        self.eos_ids = _as_id_set(self.generation_config.get("eos_token_id"))
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._next_seq_id = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def default_sampling_params(self) -> SamplingParams:
+        g = self.generation_config
+        params = SamplingParams()
+        if g.get("do_sample") is False:
+            params.temperature = 0.0
+        for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
+            if key in g and not (key == "temperature" and g.get("do_sample") is False):
+                setattr(params, key, g[key])
+        return params
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt: must not be empty", field="prompt")
+            return self.tokenizer.encode_prompt(prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidRequestError("prompt: must be a non-empty string or list of token ids", field="prompt")
+        vocab = self.config.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"prompt: token id {t!r} is not an integer in [0, {vocab})", field="prompt")
+        return list(prompt)
+
+    def make_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> list[Sequence]:
+        """Validate and build the request's sequences; raises before anything is scheduled."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority: must be an integer, got {priority!r}", field="priority")
+        params.validate(self.config.vocab_size)
+        ids = self.tokenize_prompt(prompt)
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise PromptTooLongError(
+                f"prompt: {len(ids)} tokens, but the context holds {limit} tokens including at least one to "
+                f"generate", num_tokens=len(ids), limit=limit - 1,
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise InvalidRequestError(
+                f"max_tokens: {max_tokens} new tokens plus {len(ids)} prompt tokens exceed the context of "
+                f"{limit} tokens; ask for at most {limit - len(ids)}", field="max_tokens",
+            )
+        now = time.monotonic()
+        seqs = []
+        for index in range(params.n):
+            seed = params.seed + index if params.seed is not None else secrets.randbits(62)
+            seq = Sequence(
+                seq_id=self._next_seq_id,
+                request_id=request_id,
+                index=index,
+                token_ids=list(ids),
+                prompt_len=len(ids),
+                params=params,
+                priority=priority,
+                max_tokens=max_tokens,
+                detok=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens),
+                metrics=RequestMetrics(arrival_time=now),
+                generator=None if params.greedy else torch.Generator().manual_seed(seed),
+                wait_for=seqs[0] if seqs else None,
+            )
+            self._next_seq_id += 1
+            seqs.append(seq)
+        return seqs
+
+    def add(self, seqs: list[Sequence]) -> None:
+        self.requests[seqs[0].request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.prompt_tokens_total += seqs[0].prompt_len
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> list[Sequence]:
+        seqs = self.make_request(prompt, params, request_id, priority)
+        self.add(seqs)
+        return seqs
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Finish every unfinished sample of the request and free its blocks now."""
+        outputs = []
+        for seq in self.requests.pop(request_id, []):
+            seq.hold_blocks = False
+            if seq.finished:
+                self.scheduler.free_blocks(seq)  # blocks held for a hand-off
+                continue
+            self.scheduler.finish(seq, "abort")
+            seq.metrics.finished_time = time.monotonic()
+            outputs.append(self._output(seq, [], seq.detok.take(final=True)))
+        return outputs
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_free=self.pool.num_free,
+            prefix_cache_queries=self.pool.queries,
+            prefix_cache_hits=self.pool.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def _build_batch(self, seqs: list[Sequence], num_new: list[int]) -> tuple[StepBatch, list[int]]:
+        bs = self.args.block_size
+        order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)  # decodes first
+        ids, positions, slots = [], [], []
+        dec_tables, dec_lens, pre_tables, pre_lens, pre_starts = [], [], [], [], [0]
+        logits_rows, sample_seqs = [], []
+        for i in order:
+            seq, n = seqs[i], num_new[i]
+            start = seq.num_computed
+            table = seq.block_table
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                dec_tables.append(table)
+                dec_lens.append(start + 1)
+            else:
+                pre_tables.append(table)
+                pre_lens.append(start + n)
+                pre_starts.append(pre_starts[-1] + n)
+            if start + n == seq.num_tokens:  # all known tokens computed: sample the next one
+                logits_rows.append(len(ids) - 1)
+                sample_seqs.append(i)
+
+        def table_tensor(tables: list[list[int]]) -> torch.Tensor:
+            width = max((len(t) for t in tables), default=0)
+            return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(
+                len(tables), width
+            )
+
+        dev = self.device
+        batch = StepBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode=len(dec_lens),
+            decode_block_tables=table_tensor(dec_tables).to(dev),
+            decode_seq_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev),
+            prefill_block_tables=table_tensor(pre_tables).to(dev),
+            prefill_query_start_loc=torch.tensor(pre_starts, dtype=torch.int32, device=dev),
+            prefill_seq_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        )
+        return batch, sample_seqs
+
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        if not step.seqs:
+            return []
+        now = time.monotonic()
+        for seq in step.seqs:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+        batch, sample_idx = self._build_batch(step.seqs, step.num_new)
+        logits = self.model.forward(batch, self.kv_cache)
+        for seq, n in zip(step.seqs, step.num_new):
+            seq.num_computed += n
+            self.scheduler.register_full_blocks(seq)
+        if not sample_idx:
+            return []
+        to_sample = [step.seqs[i] for i in sample_idx]
+        stop_sets = [set() if s.params.ignore_eos else self.eos_ids | set(s.params.stop_token_ids) for s in to_sample]
+        tokens, logprobs = sample(logits, to_sample, stop_sets)
+        now = time.monotonic()
+        outputs = []
+        for seq, token, lp, stops in zip(to_sample, tokens, logprobs, stop_sets):
+            outputs.append(self._append_token(seq, token, lp, stops, now))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob, stops: set[int], now: float) -> RequestOutput:
+        seq.token_ids.append(token)
+        self.generation_tokens_total += 1
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        reason, stop_reason = None, None
+        if token in stops and seq.num_generated >= seq.params.min_tokens:
+            reason, stop_reason = "stop", (token if token in seq.params.stop_token_ids else None)
+        else:
+            stop_string = seq.detok.add_token(token)
+            if stop_string is not None:
+                reason, stop_reason = "stop", stop_string
+        if reason is None and seq.num_generated >= seq.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason, stop_reason)
+            seq.metrics.finished_time = now
+            if all(s.finished for s in self.requests.get(seq.request_id, [])) and not seq.hold_blocks:
+                self.requests.pop(seq.request_id, None)
+        return self._output(seq, [token], seq.detok.take(final=reason is not None), [logprob] if logprob else None)
+
+    def _output(self, seq: Sequence, new_ids: list[int], text: str, logprobs=None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=new_ids,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.prompt_len,
+            num_generated_tokens=seq.num_generated,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=seq.metrics,
+        )

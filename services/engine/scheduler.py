@@ -1,0 +1,174 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption.
+
+Each step first gives running sequences their next tokens (one for a decode, a chunk for a
+prefill still in progress), then admits waiting sequences while budget, sequence slots and
+KV blocks last. When blocks run out, the worst sequence (lowest priority, then newest) is
+preempted by recompute: its blocks are freed (full ones stay in the prefix cache) and it
+goes back to the waiting queue with every token it generated, so no request is lost.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from kvrelay.engine.block_pool import BlockPool, hash_block, ROOT_HASH
+from kvrelay.engine.sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"  # "fcfs" | "priority" (higher priority value runs first)
+    block_size: int = 16
+
+
+@dataclass
+class ScheduledStep:
+    seqs: list[Sequence]
+    num_new: list[int]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool):
+        if config.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {config.policy!r}")
+        self.config = config
+        self.pool = pool
+        self.bs = config.block_size
+        self.waiting: list[Sequence] = []  # sorted by _key
+        self.running: list[Sequence] = []  # sorted by _key
+        self.num_preemptions = 0
+
+    def _key(self, seq: Sequence) -> tuple[int, int]:
+        if self.config.policy == "priority":
+            return (-seq.priority, seq.seq_id)
+        return (0, seq.seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- blocks ---------------------------------------------------------------------------
+
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        total = seq.num_computed + num_new
+        return max(0, -(-total // self.bs) - len(seq.block_table))
+
+    def _try_allocate(self, seq: Sequence, num_new: int) -> bool:
+        need = self._blocks_needed(seq, num_new)
+        if need > self.pool.num_free:
+            return False
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        while len(seq.block_hashes) < num_blocks:
+            k = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if k else ROOT_HASH
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[k * self.bs : (k + 1) * self.bs]))
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        # At least the last token must be computed to produce logits.
+        full = (seq.num_tokens - 1) // self.bs
+        self.ensure_hashes(seq, full)
+        blocks = self.pool.lookup(seq.block_hashes[:full], seq.num_tokens, self.bs)
+        seq.block_table = blocks
+        seq.num_computed = len(blocks) * self.bs
+        seq.num_registered = len(blocks)
+        if not seq.first_admitted:
+            seq.num_cached_tokens = min(seq.num_computed, seq.prompt_len)
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        full = seq.num_computed // self.bs
+        if full <= seq.num_registered:
+            return
+        self.ensure_hashes(seq, full)
+        for k in range(seq.num_registered, full):
+            self.pool.register(seq.block_table[k], seq.block_hashes[k])
+        seq.num_registered = full
+
+    def free_blocks(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_registered = 0
+
+    # ---- scheduling -------------------------------------------------------------------------
+
+    def _preempt(self, seq: Sequence, scheduled: dict[Sequence, int]) -> int:
+        """Recompute-preempt seq; returns the token budget it gives back."""
+        refund = scheduled.pop(seq, 0)
+        self.running.remove(seq)
+        self.free_blocks(seq)
+        self.num_preemptions += 1
+        self.add(seq)
+        return refund
+
+    def schedule(self) -> ScheduledStep:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}
+        preempted = False
+
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            if num_new <= 0:
+                continue
+            while not self._try_allocate(seq, num_new):
+                victim = max(self.running, key=self._key)
+                budget += self._preempt(victim, scheduled)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled[seq] = num_new
+                budget -= num_new
+
+        # Admit waiting sequences, unless this step already had to preempt.
+        i = 0
+        while not preempted and i < len(self.waiting) and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            seq = self.waiting[i]
+            if seq.blocked():
+                i += 1
+                continue
+            if not seq.block_table:
+                self._take_cached_prefix(seq)
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._try_allocate(seq, num_new):
+                # Priority policy: evict strictly lower-priority running work for this one.
+                victims = [r for r in self.running if r.priority < seq.priority]
+                if self.config.policy == "priority" and victims:
+                    budget += self._preempt(min(victims, key=lambda r: (r.priority, -r.seq_id)), scheduled)
+                    i = self.waiting.index(seq)
+                    continue
+                self.free_blocks(seq)  # give back the prefix-cache references taken above
+                break
+            self.waiting.pop(i)
+            seq.status = Status.RUNNING
+            seq.first_admitted = True
+            bisect.insort(self.running, seq, key=self._key)
+            scheduled[seq] = num_new
+            budget -= num_new
+
+        seqs = list(scheduled)
+        return ScheduledStep(seqs=seqs, num_new=[scheduled[s] for s in seqs])
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """Mark finished and free blocks at once (unless the P/D hand-off holds them)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if not seq.hold_blocks:
+            self.free_blocks(seq)

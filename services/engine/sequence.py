@@ -1,0 +1,72 @@
+"""A sequence: one sample of one request, with its tokens, blocks and progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrelay.engine.detokenizer import IncrementalDetokenizer
+from kvrelay.engine.outputs import RequestMetrics, TokenLogprob
+from kvrelay.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int  # engine-wide arrival order; FCFS and "newest first" preemption use it
+    request_id: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # prompt followed by generated tokens
+    prompt_len: int
+    params: SamplingParams
+    priority: int
+    max_tokens: int  # resolved: never runs past the context
+    detok: IncrementalDetokenizer
+    metrics: RequestMetrics
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_hashes: list[int] = field(default_factory=list)  # keys of full blocks, computed lazily
+    num_registered: int = 0  # leading blocks registered in the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    first_admitted: bool = False
+    # Samples 1..n-1 wait until sample 0 has computed the prompt, then reuse its cached blocks.
+    wait_for: Sequence | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Blocks stay allocated after finishing until release() (prefill side of P/D hand-off).
+    hold_blocks: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def blocked(self) -> bool:
+        w = self.wait_for
+        if w is None:
+            return False
+        if w.finished or w.num_computed >= w.prompt_len or w.status is Status.WAITING and w.first_admitted:
+            self.wait_for = None
+            return False
+        return True

@@ -1,0 +1,90 @@
+"""Tokenizer from a model folder: tokenizer.json, tokenizer_config.json, chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from kvrelay.engine.errors import InvalidRequestError, ModelLoadError
+
+# Used when the model ships no chat template (the bundled stories model has none).
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: missing; kvrelay reads tokenizers in the HF tokenizer.json format")
+        try:
+            self._tk = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exceptions
+            raise ModelLoadError(f"{path}: cannot be parsed by the tokenizers library: {e}") from e
+        config = {}
+        config_path = model_dir / "tokenizer_config.json"
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text())
+            except json.JSONDecodeError as e:
+                raise ModelLoadError(f"{config_path}: not valid JSON ({e})") from e
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = self._tk.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tk.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        chat_file = model_dir / "chat_template.jinja"
+        if template is None and chat_file.is_file():
+            template = chat_file.read_text()
+        self.has_chat_template = template is not None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = self._raise
+        self._chat_template = env.from_string(template or FALLBACK_CHAT_TEMPLATE)
+        added = self._tk.get_added_tokens_decoder()  # id -> AddedToken
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+
+    @staticmethod
+    def _raise(message: str):
+        raise InvalidRequestError(f"chat template: {message}", field="messages")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Encode a prompt; a prompt that already starts with the BOS text (from a chat template) gets no second BOS."""
+        with_bos = not (self.bos_token and text.startswith(self.bos_token))
+        return self.encode(text, add_special_tokens=with_bos)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tk.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        try:
+            return self._chat_template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise InvalidRequestError(f"messages: the chat template cannot render them: {e}", field="messages") from e
