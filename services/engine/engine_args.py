@@ -38,7 +38,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kernel_backend: str = "auto"  # auto | torch | triton
     device: str = "auto"  # auto | cpu | cuda
-    seed: int = 0  # dummy weights and unseeded sampling
+    dummy_seed: int = 0  # random weights of --load-format dummy
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ class EngineArgs:
         parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         parser.add_argument("--kernel-backend", default=d.kernel_backend, choices=["auto", "torch", "triton"])
         parser.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
-        parser.add_argument("--seed", type=int, default=d.seed)
+        parser.add_argument("--dummy-seed", type=int, default=d.dummy_seed, help="seed of --load-format dummy weights")
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:

@@ -72,7 +72,7 @@ class LLMEngine:
             self.max_model_len = args.max_model_len
 
         if args.load_format == "dummy":
-            tensors = dummy_tensors(self.config, self.dtype, seed=args.seed)
+            tensors = dummy_tensors(self.config, self.dtype, seed=args.dummy_seed)
         elif args.load_format == "auto":
             tensors = read_tensors(model_dir, self.config, self.dtype)
         else:

@@ -11,6 +11,7 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvrelay.engine.cli_generate", "generate completions for prompts offline"),
+    "operator": ("kvrelay.operator.cli", "run the Kubernetes operator for InferenceService resources"),
 }
 
 

@@ -1,0 +1,182 @@
+"""Async front of the engine: submit requests, iterate their outputs, abort them, read stats.
+
+One background thread runs LLMEngine.step() in a loop. Requests and aborts are queued to
+that thread and applied between steps; outputs go back to each request's asyncio.Queue on
+the event loop. Torch releases the GIL during the forward pass, so the loop stays responsive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from typing import Callable
+
+from kvrelay.engine.engine_args import EngineArgs
+from kvrelay.engine.errors import EngineDeadError, InvalidRequestError
+from kvrelay.engine.llm_engine import LLMEngine
+from kvrelay.engine.outputs import EngineStats, RequestOutput
+from kvrelay.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs | None = None, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(args or EngineArgs())
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.max_model_len
+        self.tokenizer = self.engine.tokenizer
+        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._stats = self.engine.stats()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._dead is None
+
+    def call_in_engine_thread(self, fn: Callable[[LLMEngine], object]) -> asyncio.Future:
+        """Run fn(engine) on the engine thread between steps; await the returned future for its result."""
+        fut = self._loop.create_future()
+        self._commands.put(("call", (fn, fut)))
+        self._wake.set()
+        return fut
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield increments until all n samples finished. Bad input raises before scheduling.
+
+        Closing the iterator early (client gone, task cancelled) aborts the request and frees
+        its KV blocks.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
+        if self._thread is None:
+            await self.start()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
+        # Validation and tokenization touch no shared engine state: do them here, raising to the caller.
+        seqs = self.engine.make_request(prompt, params, request_id, priority)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._commands.put(("add", seqs))
+        self._wake.set()
+        remaining = params.n
+        finished_ok = False
+        try:
+            while remaining:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine stopped after an error: {item!r}") from item
+                if item.finished:
+                    remaining -= 1
+                yield item
+            finished_ok = True
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished_ok:
+                self._commands.put(("abort", request_id))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        """Stats as of the last step (read without locking the engine thread)."""
+        return self._stats
+
+    # ---- engine thread ------------------------------------------------------------------------
+
+    def _apply_commands(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return outputs
+            if kind == "add":
+                if arg[0].request_id in self._streams:
+                    self.engine.add(arg)
+            elif kind == "abort":
+                outputs.extend(self.engine.abort(arg))
+            elif kind == "call":
+                fn, fut = arg
+                try:
+                    result = fn(self.engine)
+                except Exception as e:  # handed to the awaiting caller
+                    self._loop.call_soon_threadsafe(_set_exception, fut, e)
+                else:
+                    self._loop.call_soon_threadsafe(_set_result, fut, result)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                outputs = self._apply_commands()
+                if self.engine.has_work():
+                    outputs.extend(self.engine.step())
+                self._stats = self.engine.stats()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                if not self.engine.has_work() and self._commands.empty():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 - every stream must learn the engine died
+            log.exception("engine step loop crashed")
+            self._dead = e
+            self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)
