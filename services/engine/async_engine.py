@@ -77,11 +77,12 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        hold_blocks: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Yield increments until all n samples finished. Bad input raises before scheduling.
 
         Closing the iterator early (client gone, task cancelled) aborts the request and frees
-        its KV blocks.
+        its KV blocks. hold_blocks: see LLMEngine.make_request (prefill worker only).
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
@@ -91,7 +92,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
         # Validation and tokenization touch no shared engine state: do them here, raising to the caller.
-        seqs = self.engine.make_request(prompt, params, request_id, priority)
+        seqs = self.engine.make_request(prompt, params, request_id, priority, hold_blocks)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self._commands.put(("add", seqs))

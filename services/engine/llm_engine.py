@@ -22,7 +22,7 @@ from kvrelay.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from kvrelay.engine.sampler import sample
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.scheduler import Scheduler, SchedulerConfig
-from kvrelay.engine.sequence import Sequence
+from kvrelay.engine.sequence import Sequence, Status
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.engine.weights import assemble, dummy_tensors, quantize_linears, read_tensors
 from kvrelay.kernels.registry import get_ops
@@ -134,9 +134,17 @@ class LLMEngine:
         return list(prompt)
 
     def make_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        hold_blocks: bool = False,
     ) -> list[Sequence]:
-        """Validate and build the request's sequences; raises before anything is scheduled."""
+        """Validate and build the request's sequences; raises before anything is scheduled.
+
+        hold_blocks (prefill side of a hand-off): keep the blocks after finishing until release().
+        """
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -172,6 +180,7 @@ class LLMEngine:
                 metrics=RequestMetrics(arrival_time=now),
                 generator=None if params.greedy else torch.Generator().manual_seed(seed),
                 wait_for=seqs[0] if seqs else None,
+                hold_blocks=hold_blocks,
             )
             self._next_seq_id += 1
             seqs.append(seq)
@@ -184,9 +193,14 @@ class LLMEngine:
         self.prompt_tokens_total += seqs[0].prompt_len
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        hold_blocks: bool = False,
     ) -> list[Sequence]:
-        seqs = self.make_request(prompt, params, request_id, priority)
+        seqs = self.make_request(prompt, params, request_id, priority, hold_blocks)
         self.add(seqs)
         return seqs
 
@@ -310,6 +324,63 @@ class LLMEngine:
             if all(s.finished for s in self.requests.get(seq.request_id, [])) and not seq.hold_blocks:
                 self.requests.pop(seq.request_id, None)
         return self._output(seq, [token], seq.detok.take(final=reason is not None), [logprob] if logprob else None)
+
+    # ---- prefill/decode hand-off ------------------------------------------------------------
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Blocks of a finished hold_blocks request, holding K/V of all its tokens but the last."""
+        (seq,) = self.requests[request_id]
+        return list(seq.block_table)
+
+    def release(self, request_id: str) -> int:
+        """Free the blocks a finished hold_blocks request kept; returns how many were held."""
+        seqs = self.requests.pop(request_id, [])
+        held = 0
+        for seq in seqs:
+            if seq.finished:
+                held += len(seq.block_table)
+                self.scheduler.free_blocks(seq)
+            else:  # still running: an abort
+                seq.hold_blocks = False
+                self.scheduler.finish(seq, "abort")
+        return held
+
+    def reserve(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> Sequence:
+        """Decode side: allocate blocks for a prompt whose K/V another worker computed.
+
+        Raises NoFreeBlocksError when the pool cannot hold the prompt now (reject, never wait),
+        and InvalidRequestError for bad input. The blocks stay outside scheduling until activate().
+        """
+        if params.n != 1:
+            raise InvalidRequestError("n: a prefilled request carries exactly one sample", field="n")
+        (seq,) = self.make_request(prompt_ids, params, request_id, priority)
+        need = -(-seq.prompt_len // self.args.block_size)
+        seq.block_table = self.pool.allocate(need)  # raises NoFreeBlocksError
+        seq.status = Status.RESERVED
+        self.requests[request_id] = [seq]
+        self.prompt_tokens_total += seq.prompt_len
+        return seq
+
+    def activate(self, request_id: str, first_token: int, first_logprob=None) -> RequestOutput:
+        """Decode side: the reserved blocks now hold the prompt's K/V; continue after first_token.
+
+        The prefill worker sampled first_token with the same seed, so this sequence's generator
+        is advanced past that draw and later tokens match a single-process run.
+        """
+        (seq,) = self.requests[request_id]
+        if seq.status is not Status.RESERVED:
+            raise InvalidRequestError(f"request {request_id!r} is not reserved", field="request_id")
+        if seq.generator is not None:
+            torch.empty(self.config.vocab_size).exponential_(generator=seq.generator)
+        seq.num_computed = seq.prompt_len
+        seq.first_admitted = True
+        self.scheduler.register_full_blocks(seq)
+        seq.status = Status.RUNNING
+        self.scheduler.insert_running(seq)
+        stops = set() if seq.params.ignore_eos else self.eos_ids | set(seq.params.stop_token_ids)
+        return self._append_token(seq, first_token, first_logprob, stops, time.monotonic())
 
     def _output(self, seq: Sequence, new_ids: list[int], text: str, logprobs=None) -> RequestOutput:
         return RequestOutput(

@@ -152,14 +152,17 @@ class Scheduler:
                 self.free_blocks(seq)  # give back the prefix-cache references taken above
                 break
             self.waiting.pop(i)
-            seq.status = Status.RUNNING
             seq.first_admitted = True
-            bisect.insort(self.running, seq, key=self._key)
+            self.insert_running(seq)
             scheduled[seq] = num_new
             budget -= num_new
 
         seqs = list(scheduled)
         return ScheduledStep(seqs=seqs, num_new=[scheduled[s] for s in seqs])
+
+    def insert_running(self, seq: Sequence) -> None:
+        seq.status = Status.RUNNING
+        bisect.insort(self.running, seq, key=self._key)
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """Mark finished and free blocks at once (unless the P/D hand-off holds them)."""

@@ -15,6 +15,7 @@ from kvrelay.engine.sampling_params import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    RESERVED = "reserved"  # decode side: blocks allocated, K/V arriving from a prefill worker
     FINISHED = "finished"
 
 
