@@ -2,13 +2,18 @@
 
 `get_ops("auto" | "torch" | "triton")` returns a KernelOps whose functions share the
 signatures documented in kvrelay.kernels.reference.
+
+Triton is imported only when the triton backend is chosen, so CPU-only callers never pay for it.
+"triton" forced without a CUDA device runs the kernels in Triton's CPU interpreter, which needs
+TRITON_INTERPRET=1 in the environment before the kernels are first imported (slow: for tests).
 """
 
 from __future__ import annotations
 
+import os
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvrelay.kernels import reference
 
@@ -56,4 +61,20 @@ def get_ops(backend: str = "auto") -> KernelOps:
         backend = "triton" if torch.cuda.is_available() else "torch"
     if backend == "torch":
         return _from_module("torch", reference)
-    raise ValueError("the triton kernel backend is not available yet")
+    return _triton_ops()
+
+
+def _triton_ops() -> KernelOps:
+    import torch
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "kernel backend 'triton' needs a CUDA device; to run the Triton kernels on CPU in the "
+            "interpreter, set TRITON_INTERPRET=1 in the environment before starting the process "
+            "(or use kernel backend 'torch' / 'auto')"
+        )
+    try:
+        from kvrelay.kernels import triton_ops
+    except ImportError as exc:
+        raise RuntimeError(f"kernel backend 'triton' needs the triton package: {exc}") from exc
+    return _from_module("triton", triton_ops)

@@ -1,0 +1,27 @@
+"""Every Triton op under the names the registry expects (signatures as in kvrelay.kernels.reference).
+
+Importing this module imports triton and compiles nothing; kernels compile on first call per
+shape class and dtype.
+"""
+
+from kvrelay.kernels.triton_activation import silu_and_mul
+from kvrelay.kernels.triton_decode_attention import paged_decode_attention
+from kvrelay.kernels.triton_int8 import int8_matmul, quantize_int8
+from kvrelay.kernels.triton_kv_cache import gather_blocks, scatter_blocks, write_kv
+from kvrelay.kernels.triton_norm import fused_add_rms_norm, rms_norm
+from kvrelay.kernels.triton_prefill_attention import paged_prefill_attention
+from kvrelay.kernels.triton_rotary import rotary_embedding
+
+__all__ = [
+    "fused_add_rms_norm",
+    "gather_blocks",
+    "int8_matmul",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "quantize_int8",
+    "rms_norm",
+    "rotary_embedding",
+    "scatter_blocks",
+    "silu_and_mul",
+    "write_kv",
+]

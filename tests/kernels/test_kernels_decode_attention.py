@@ -1,0 +1,71 @@
+"""Paged decode attention (Triton, interpreted) against the torch reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kernel_cases import DTYPES, assert_close, make_paged_case, randn
+from kvrelay.kernels import reference
+from kvrelay.kernels.triton_decode_attention import choose_num_splits, paged_decode_attention
+
+
+def run_case(seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed, num_splits=None):
+    rng = random.Random(seed)
+    case = make_paged_case(rng, seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    q = randn((len(seq_lens), num_kv_heads * group, head_dim), dtype, seed + 1)
+    k_cache, v_cache = case.layer()
+    scale = head_dim**-0.5
+    got = paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens, scale, num_splits=num_splits)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens, scale)
+    assert_close(got, want)
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_gqa_ratios_head_dims_dtypes(group, head_dim, dtype):
+    # Length 1, an exact multiple of the block size, and ragged lengths in one batch.
+    run_case([1, 32, 45], block_size=16, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, seed=group)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_kv_matches_reference(num_splits, dtype):
+    # More splits than some sequences have tokens: empty splits must not disturb the combination.
+    run_case([1, 16, 200, 77], block_size=16, num_kv_heads=2, group=4, head_dim=64, dtype=dtype,
+             seed=num_splits, num_splits=num_splits)
+
+
+def test_split_and_single_pass_agree():
+    single = run_case([300, 5], 16, 1, 8, 64, torch.float32, seed=3, num_splits=1)
+    split = run_case([300, 5], 16, 1, 8, 64, torch.float32, seed=3, num_splits=5)
+    torch.testing.assert_close(single, split, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 2])
+def test_small_head_dim_uses_broadcast_path(group, dtype):
+    # stories260K: head_dim 8, 8 query heads over 4 KV heads.
+    run_case([1, 9, 16, 40], block_size=16, num_kv_heads=4, group=group, head_dim=8, dtype=dtype, seed=11)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomised_shapes(seed):
+    rng = random.Random(1000 + seed)
+    block_size = rng.choice([4, 8, 16, 32])
+    lens = [rng.randint(1, 150) for _ in range(rng.randint(1, 5))]
+    group = rng.choice([1, 2, 4, 8])
+    head_dim = rng.choice([8, 16, 32, 64, 80, 128])
+    dtype = rng.choice(DTYPES)
+    splits = rng.choice([None, 1, 2, 4])
+    run_case(lens, block_size, rng.randint(1, 2), group, head_dim, dtype, seed, num_splits=splits)
+
+
+def test_num_splits_heuristic():
+    cpu = torch.device("cpu")
+    assert choose_num_splits(64, 8, 8192, cpu) == 1  # plenty of programs already
+    assert choose_num_splits(1, 1, 8192, cpu) > 1  # one long sequence is split
+    assert choose_num_splits(1, 1, 100, cpu) == 1  # too short to be worth it
