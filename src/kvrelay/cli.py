@@ -11,6 +11,8 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvrelay.engine.cli_generate", "generate completions for prompts offline"),
+    "serve": ("kvrelay.gateway.serve", "OpenAI-compatible server: gateway + in-process engine, bundled model"),
+    "gateway": ("kvrelay.gateway.cluster", "cluster gateway in front of prefill/decode workers"),
     "operator": ("kvrelay.operator.cli", "run the Kubernetes operator for InferenceService resources"),
 }
 

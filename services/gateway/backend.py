@@ -1,0 +1,123 @@
+"""The seam between the gateway and whatever generates tokens.
+
+A backend is an object with the AsyncEngine's request API:
+
+    model_name: str, max_model_len: int, tokenizer, role: str, capacity: int
+    generate(prompt, params, request_id, priority=0) -> async iterator of RequestOutput
+    abort(request_id), stats() -> EngineStats | None, ready() -> bool,
+    default_sampling_params() -> SamplingParams, start(), shutdown()
+
+`generate` raises InvalidRequestError / PromptTooLongError before scheduling for bad input,
+yields increments until all `n` samples finish, and ends with finish_reason "abort" after
+`abort`; closing the iterator (aclose) aborts too and frees the request's KV blocks.
+`capacity` is how many sequences the backend runs at once: past it the gateway queues.
+
+Implementations:
+- `LocalBackend`: an in-process AsyncEngine (`kvrelay serve`).
+- `DisaggregatedBackend` (`kvrelay gateway`, `kvrelay serve --disaggregated`): routes each
+  request to a prefill worker (prefix affinity + load) and a decode worker (load) chosen by
+  `kvrelay.gateway.routing`, through the workers' gRPC client in `kvrelay.kvtransfer`. It
+  retries a worker that fails before the first token on another one. It is wired up when
+  that client exists; until then constructing it raises a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from kvrelay.engine.outputs import EngineStats, RequestOutput
+from kvrelay.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CAPACITY = 64
+
+
+class Backend(Protocol):
+    model_name: str
+    max_model_len: int
+    tokenizer: Any
+    role: str  # label of the queue-depth metric: "engine" (in-process) or the worker role
+    capacity: int
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+    async def abort(self, request_id: str) -> None: ...
+    def stats(self) -> EngineStats | None: ...
+    def ready(self) -> bool: ...
+    def default_sampling_params(self) -> SamplingParams: ...
+    async def start(self) -> None: ...
+    async def shutdown(self) -> None: ...
+
+
+class LocalBackend:
+    """An AsyncEngine in this process. The engine is built in `start()` (inside the loop)."""
+
+    role = "engine"
+
+    def __init__(self, engine_args):
+        self.engine_args = engine_args
+        self.engine = None
+        self._started = False
+
+    async def start(self) -> None:
+        from kvrelay.engine.async_engine import AsyncEngine
+
+        self.engine = AsyncEngine(self.engine_args)
+        await self.engine.start()
+        self._started = True
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def capacity(self) -> int:
+        return getattr(self.engine_args, "max_num_seqs", None) or DEFAULT_CAPACITY
+
+    def generate(self, prompt, params, request_id, priority=0):
+        return self.engine.generate(prompt, params, request_id, priority=priority)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
+
+    def ready(self) -> bool:
+        if not self._started or self.engine is None:
+            return False
+        return bool(getattr(self.engine, "is_running", True))
+
+    def default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+
+class DisaggregatedBackend:
+    """Prefill/decode workers behind the gateway (see the module docstring)."""
+
+    role = "prefill"
+
+    def __init__(self, prefill: list[str], decode: list[str], **kwargs):
+        try:
+            import kvrelay.kvtransfer.client  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(
+                "the disaggregated backend needs the prefill/decode workers' gRPC client "
+                "(kvrelay.kvtransfer.client), which is not available in this build yet; "
+                "use `kvrelay serve` for the single-process mode") from e
+        raise RuntimeError("kvrelay.kvtransfer.client exists but the gateway is not wired to it yet")

@@ -1,0 +1,181 @@
+"""Request and response bodies of the OpenAI-compatible API.
+
+Requests are strict (no type coercion) and reject unknown fields, so a typo such as
+`max_token` is a 400 naming the field instead of being silently ignored. The bounds here
+mirror `SamplingParams.validate()`, so the OpenAPI schema tells clients (and fuzzers) the
+real limits.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from kvrelay.engine.sampling_params import MAX_LOGPROBS, MAX_N
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_STOP = 16
+MAX_BATCH_PROMPTS = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+StopField = Annotated[str | Annotated[list[str], Field(max_length=MAX_STOP)] | None, Field(default=None)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class _SamplingFields(_Strict):
+    model: str
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: StopField = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+    # Extensions beyond OpenAI's set (vLLM clients send them through `extra_body`).
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: Literal[False] = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: Annotated[str, Field(max_length=256)] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+
+# ---- responses (documented in the OpenAPI schema; handlers build the same shapes as dicts) ----
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in {
+        400: "Invalid request: `param` names the field",
+        401: "Missing or unknown API key",
+        403: "The tenant may not use this model",
+        404: "Unknown model",
+        413: "Request body too large",
+        429: "Quota exceeded; see Retry-After and x-ratelimit-* headers",
+        503: "Queue full, quota store unavailable or no healthy workers",
+    }.items()
+}

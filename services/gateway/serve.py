@@ -1,0 +1,74 @@
+"""`kvrelay serve`: the gateway and an in-process engine in one process (the README's command).
+
+By default: the bundled model, an open `default` tenant, in-memory quotas. `--tenants FILE`
+turns on API keys and quotas; `--redis-url` shares quotas between several such processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvrelay.engine.engine_args import EngineArgs
+from kvrelay.gateway.app import Gateway, GatewayConfig, create_app
+from kvrelay.gateway.backend import LocalBackend
+from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStore
+from kvrelay.gateway.tenants import TenantRegistry
+
+
+def add_gateway_arguments(parser: argparse.ArgumentParser, default_port: int = 8000) -> None:
+    """Flags shared by `kvrelay serve` and `kvrelay gateway`."""
+    d = GatewayConfig()
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    parser.add_argument("--port", type=int, default=default_port)
+    parser.add_argument("--tenants", default=None, metavar="FILE",
+                        help="tenants YAML (keys, quotas, priority, models); default: one open tenant")
+    parser.add_argument("--redis-url", default=None, help="Redis for quotas shared by all gateway replicas")
+    parser.add_argument("--quota-failure-policy", choices=["closed", "open"], default="closed",
+                        help="when Redis is unreachable: closed = 503, open = admit unaccounted")
+    parser.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s,
+                        help="seconds before a dead gateway's concurrency slots are freed")
+    parser.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting before 503")
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="sequences in flight before requests queue (default: the engine's --max-num-seqs)")
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def build_quota(args: argparse.Namespace) -> QuotaManager:
+    store = RedisQuotaStore(args.redis_url) if args.redis_url else MemoryQuotaStore()
+    return QuotaManager(store, lease_ttl_s=args.lease_ttl, fail_open=args.quota_failure_policy == "open")
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(max_queue=args.max_queue, capacity=args.capacity, max_body_bytes=args.max_body_bytes,
+                         lease_ttl_s=args.lease_ttl, quota_fail_open=args.quota_failure_policy == "open")
+
+
+def run_app(app, args: argparse.Namespace) -> int:
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_gateway_arguments(parser)
+    parser.add_argument("--disaggregated", action="store_true",
+                        help="run one prefill and one decode worker process locally and route through them")
+    EngineArgs.add_cli_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.disaggregated:
+        from kvrelay.gateway.backend import DisaggregatedBackend
+
+        try:
+            DisaggregatedBackend([], [])
+        except RuntimeError as e:
+            raise SystemExit(f"kvrelay serve --disaggregated: {e}") from e
+    backend = LocalBackend(EngineArgs.from_cli(args))
+    gateway = Gateway(backend, TenantRegistry(args.tenants), build_quota(args), gateway_config(args))
+    return run_app(create_app(gateway), args)

@@ -1,0 +1,109 @@
+"""Quota semantics, one suite run against both stores: in-memory and a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvrelay.gateway.quota import (
+    MemoryQuotaStore,
+    QuotaExceeded,
+    QuotaManager,
+    QuotaStoreUnavailable,
+    RedisQuotaStore,
+)
+from kvrelay.gateway.tenants import Quotas
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request):
+    if request.param == "memory":
+        s = MemoryQuotaStore()
+    else:
+        server = request.getfixturevalue("redis_server")
+        s = RedisQuotaStore(server.url, prefix=f"t{id(request)}")
+    yield s
+    await s.close()
+
+
+async def test_requests_per_minute_is_exact_under_concurrency(store):
+    mgr = QuotaManager(store)
+    q = Quotas(requests_per_minute=7)
+    results = await asyncio.gather(*(mgr.admit("a", q, f"r{i}", 1) for i in range(30)), return_exceptions=True)
+    admitted = [r for r in results if not isinstance(r, Exception)]
+    rejected = [r for r in results if isinstance(r, QuotaExceeded)]
+    assert len(admitted) == 7 and len(rejected) == 23
+    assert rejected[0].limit == "requests_per_minute"
+    assert 1 <= int(rejected[0].headers["Retry-After"]) <= 60
+    assert rejected[0].headers["x-ratelimit-remaining-requests"] == "0"
+    # another tenant is unaffected
+    await mgr.admit("b", q, "other", 1)
+    await mgr.close()
+
+
+async def test_tokens_reserved_then_refunded(store):
+    mgr = QuotaManager(store)
+    q = Quotas(tokens_per_minute=100, tokens_per_day=1000)
+    a = await mgr.admit("t", q, "r1", 60)
+    with pytest.raises(QuotaExceeded) as exc:
+        await mgr.admit("t", q, "r2", 50)
+    assert exc.value.limit == "tokens_per_minute"
+    assert exc.value.headers["x-ratelimit-remaining-tokens"] == "40"
+    await mgr.complete(a, used_tokens=25)  # 35 refunded
+    assert (await store.usage("t"))["tokens_per_minute"] == 25
+    assert (await store.usage("t"))["tokens_per_day"] == 25
+    await mgr.admit("t", q, "r2", 50)
+    assert (await store.usage("t"))["tokens_per_minute"] == 75
+    await mgr.close()
+
+
+async def test_tokens_per_day(store):
+    mgr = QuotaManager(store)
+    q = Quotas(tokens_per_day=10)
+    await mgr.admit("d", q, "r1", 10)
+    with pytest.raises(QuotaExceeded) as exc:
+        await mgr.admit("d", q, "r2", 1)
+    assert exc.value.limit == "tokens_per_day"
+    assert exc.value.retry_after_s <= 86400
+    await mgr.close()
+
+
+async def test_concurrency_leases_release_and_expire(store):
+    mgr = QuotaManager(store, lease_ttl_s=0.6)
+    q = Quotas(concurrent_requests=2)
+    a = await mgr.admit("c", q, "r1", 1)
+    await mgr.admit("c", q, "r2", 1)
+    with pytest.raises(QuotaExceeded) as exc:
+        await mgr.admit("c", q, "r3", 1)
+    assert exc.value.limit == "concurrent_requests"
+    await mgr.complete(a, 1)
+    await mgr.admit("c", q, "r3", 1)
+    # Live leases are renewed by the manager: still held after several TTLs.
+    await asyncio.sleep(1.5)
+    assert (await store.usage("c"))["concurrent_requests"] == 2
+    # A manager that stops renewing (its gateway died) loses them after one TTL.
+    mgr._renewer.cancel()
+    await asyncio.sleep(0.9)
+    assert (await store.usage("c"))["concurrent_requests"] == 0
+    await mgr.admit("c", q, "r4", 1)
+
+
+async def test_unlimited_tenant_skips_the_store():
+    mgr = QuotaManager(RedisQuotaStore("redis://127.0.0.1:1/0"))  # nothing listens on port 1
+    adm = await mgr.admit("free", Quotas(), "r1", 10**9)
+    assert not adm.accounted
+    await mgr.close()
+
+
+async def test_unreachable_redis_fail_closed_and_open():
+    q = Quotas(requests_per_minute=5)
+    closed = QuotaManager(RedisQuotaStore("redis://127.0.0.1:1/0", timeout_s=0.2))
+    with pytest.raises(QuotaStoreUnavailable):
+        await closed.admit("t", q, "r1", 1)
+    opened = QuotaManager(RedisQuotaStore("redis://127.0.0.1:1/0", timeout_s=0.2), fail_open=True)
+    adm = await opened.admit("t", q, "r1", 1)
+    assert not adm.accounted
+    await opened.complete(adm, 1)
+    await closed.close()
+    await opened.close()
