@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from kvrelay.gateway.quota import (
     MemoryQuotaStore,
     QuotaExceeded,

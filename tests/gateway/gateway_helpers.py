@@ -1,0 +1,91 @@
+"""Helpers of the gateway tests: real redis-server processes and real gateways on free loopback ports."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server this test owns: it can be stopped and restarted on the same port."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+class InProcessGateway:
+    """A real uvicorn server on a free loopback port, in a thread, with the real engine."""
+
+    def __init__(self, tenants_file=None, config=None, quota=None, engine_kwargs=None):
+        import threading
+
+        import uvicorn
+        from kvrelay.engine.engine_args import EngineArgs
+        from kvrelay.gateway.app import Gateway, create_app
+        from kvrelay.gateway.backend import LocalBackend
+        from kvrelay.gateway.tenants import TenantRegistry
+
+        self.gateway = Gateway(LocalBackend(EngineArgs(**(engine_kwargs or {}))), TenantRegistry(tenants_file),
+                               quota, config)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.gateway), host="127.0.0.1", port=self.port,
+                                                    log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine(self):
+        return self.gateway.backend.engine
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def write_tenants(path, tenants: list[dict]) -> str:
+    import yaml
+
+    path.write_text(yaml.safe_dump({"tenants": tenants}))
+    return str(path)
