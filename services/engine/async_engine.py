@@ -12,13 +12,13 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Callable
 
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError
 from kvrelay.engine.llm_engine import LLMEngine
-from kvrelay.engine.outputs import EngineStats, RequestOutput
+from kvrelay.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,54 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished_ok:
+                self._commands.put(("abort", request_id))
+                self._wake.set()
+
+    async def generate_prefilled(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        load_kv: Callable[[list[int]], Awaitable[tuple[int, TokenLogprob | None]]],
+    ) -> AsyncIterator[RequestOutput]:
+        """Decode side of a prefill/decode hand-off; yields like generate() (one sample).
+
+        Reserves blocks for the prompt (raises NoFreeBlocksError if they do not fit now: reject,
+        never wait), awaits load_kv(block_ids), which fills them with the prompt's K/V and returns
+        (first_token, first_logprob), then activates the request. load_kv must write only through
+        call_in_engine_thread: a failure or early close queues the abort behind those writes, so
+        the blocks are freed only after the last write.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
+        if self._thread is None:
+            await self.start()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished_ok = reserve_failed = False
+        try:
+            try:
+                block_ids = await self.call_in_engine_thread(
+                    lambda llm: list(llm.reserve(prompt_ids, params, request_id, priority).block_table))
+            except Exception:
+                reserve_failed = True  # nothing allocated; the id may belong to someone else
+                raise
+            first_token, first_logprob = await load_kv(block_ids)
+            item = await self.call_in_engine_thread(lambda llm: llm.activate(request_id, first_token, first_logprob))
+            while True:
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine stopped after an error: {item!r}") from item
+                yield item
+                if item.finished:
+                    break
+                item = await stream.get()
+            finished_ok = True
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished_ok and not reserve_failed:
                 self._commands.put(("abort", request_id))
                 self._wake.set()
 

@@ -35,6 +35,9 @@ class DecoderModel:
         self.ops = ops
         self.cos_sin_cache = rope_cos_sin_cache(config, max_positions).to(weights.embed.device)
         self.scale = config.head_dim**-0.5
+        # Optional fn(layer_idx, batch), called right after each layer wrote its K/V into the cache
+        # (prefill workers stream early layers while later ones compute). None: no cost.
+        self.layer_hook = None
 
     def _linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.scale is not None:
@@ -64,6 +67,8 @@ class DecoderModel:
             q, k = ops.rotary_embedding(batch.positions, q, k, self.cos_sin_cache)
             k_cache, v_cache = kv_cache[layer_idx, 0], kv_cache[layer_idx, 1]
             ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            if self.layer_hook is not None:
+                self.layer_hook(layer_idx, batch)
             parts = []
             if nd:
                 parts.append(

@@ -45,6 +45,7 @@ def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: l
     return logits
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[set[int]]) -> tuple[list[int], list]:
     """logits [S, V] fp32 (modified in place). Returns (token ids, TokenLogprob or None) per row."""
     raw_logprobs = None

@@ -1,0 +1,76 @@
+"""Fixtures: tiny random HF models of each supported architecture, saved with save_pretrained."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrelay.models import BUNDLED_MODEL
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def save_tiny_model(path: Path, arch: str, **overrides) -> Path:
+    """A randomly initialised tiny model of `arch`, with the bundled tokenizer (vocab 512)."""
+    import transformers
+
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[arch]
+    kwargs = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        # Large init so logits are peaked and greedy choices are not near-ties.
+        initializer_range=1.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen3":
+        kwargs["head_dim"] = 32
+    kwargs.update(overrides)
+    config = config_cls(**kwargs)
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(BUNDLED_MODEL / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {
+        "llama": save_tiny_model(root / "llama", "llama"),
+        "llama_linear_rope": save_tiny_model(
+            root / "llama_linear_rope", "llama", rope_scaling={"rope_type": "linear", "factor": 2.0}
+        ),
+        "llama3_rope_tied": save_tiny_model(
+            root / "llama3_rope_tied",
+            "llama",
+            tie_word_embeddings=True,
+            head_dim=32,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        "mistral": save_tiny_model(root / "mistral", "mistral"),
+        "qwen2": save_tiny_model(root / "qwen2", "qwen2"),
+        "qwen3": save_tiny_model(root / "qwen3", "qwen3"),
+    }
