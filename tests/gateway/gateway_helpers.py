@@ -89,3 +89,52 @@ def write_tenants(path, tenants: list[dict]) -> str:
 
     path.write_text(yaml.safe_dump({"tenants": tenants}))
     return str(path)
+
+
+class GatewayProcess:
+    """`kvrelay serve` in its own process (a gateway replica), real HTTP on a free port."""
+
+    def __init__(self, args: list[str], log_path) -> None:
+        import os
+        import sys
+
+        self.port = free_port()
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(self.port),
+                                      "--log-level", "warning", *args], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env)
+        self.wait_healthy()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout: float = 60) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"gateway not ready after {timeout} s; see {self.log.name}")
+
+    def kill(self) -> None:
+        self.proc.kill()  # SIGKILL: no cleanup runs
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
