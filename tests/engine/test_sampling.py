@@ -1,0 +1,124 @@
+"""Sampling: seeds independent of the batch, filters, penalties, stop strings, logprobs, n > 1."""
+
+from __future__ import annotations
+
+from helpers import PROMPTS, make_engine, run_engine
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.models import BUNDLED_MODEL
+
+
+def sampled(seed, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=40, temperature=1.0, seed=seed, **kw)
+
+
+def test_same_seed_same_tokens_alone_and_in_a_busy_batch():
+    alone = run_engine(make_engine(BUNDLED_MODEL), {"x": ("Once upon a time", sampled(42))})["x"]
+    busy = {f"noise{i}": (PROMPTS[i % len(PROMPTS)], sampled(None)) for i in range(12)}
+    busy["x"] = ("Once upon a time", sampled(42))
+    in_batch = run_engine(make_engine(BUNDLED_MODEL, max_num_batched_tokens=16), busy)["x"]
+    assert alone == in_batch
+    other_seed = run_engine(make_engine(BUNDLED_MODEL), {"x": ("Once upon a time", sampled(43))})["x"]
+    assert other_seed != alone
+
+
+def test_unseeded_requests_differ():
+    engine = make_engine(BUNDLED_MODEL)
+    out = run_engine(engine, {str(i): ("Once upon a time", sampled(None)) for i in range(4)})
+    assert len({tuple(v) for v in out.values()}) > 1
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    engine = make_engine(BUNDLED_MODEL)
+    out = run_engine(
+        engine,
+        {
+            "greedy": ("Lily", SamplingParams(max_tokens=40, temperature=0.0)),
+            "k1": ("Lily", sampled(1, top_k=1)),
+            "p": ("Lily", sampled(2, top_p=1e-6)),
+            "minp": ("Lily", sampled(3, min_p=1.0)),
+        },
+    )
+    assert out["k1"] == out["greedy"] == out["p"] == out["minp"]
+
+
+def test_penalties_change_the_output_and_reduce_repeats():
+    engine = make_engine(BUNDLED_MODEL)
+    base = SamplingParams(max_tokens=60, temperature=0.0)
+    out = run_engine(
+        engine,
+        {
+            "plain": ("Once upon a time", base),
+            "freq": ("Once upon a time", SamplingParams(max_tokens=60, temperature=0.0, frequency_penalty=2.0)),
+            "rep": ("Once upon a time", SamplingParams(max_tokens=60, temperature=0.0, repetition_penalty=2.0)),
+            "pres": ("Once upon a time", SamplingParams(max_tokens=60, temperature=0.0, presence_penalty=2.0)),
+        },
+    )
+
+    def repeats(ids):
+        return len(ids) - len(set(ids))
+
+    for name in ("freq", "rep", "pres"):
+        assert out[name] != out["plain"]
+        assert repeats(out[name]) < repeats(out["plain"])
+
+
+def _collect(engine, prompt, params, rid="r"):
+    engine.add_request(prompt, params, rid)
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    return outs
+
+
+def test_stop_string_across_token_boundaries_is_never_emitted():
+    engine = make_engine(BUNDLED_MODEL)
+    full = "".join(o.text for o in _collect(engine, "Once upon a time", SamplingParams(max_tokens=40, temperature=0)))
+    # "girl named" spans the tokens "▁girl" and "▁named" (and the space between them).
+    stop = "rl nam"
+    assert stop in full
+    outs = _collect(engine, "Once upon a time", SamplingParams(max_tokens=40, temperature=0, stop=[stop]), "s")
+    text = "".join(o.text for o in outs)
+    assert text == full[: full.index(stop)]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    for o in outs:  # no delta ever leaked a piece of the stop string past the cut
+        assert stop not in o.text
+
+
+def test_stop_token_ids_and_max_tokens_finish_reasons():
+    engine = make_engine(BUNDLED_MODEL)
+    ids = [i for o in _collect(engine, "Lily", SamplingParams(max_tokens=20, temperature=0)) for i in o.new_token_ids]
+    outs = _collect(engine, "Lily", SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[ids[5]]), "t")
+    assert [i for o in outs for i in o.new_token_ids] == ids[: ids.index(ids[5]) + 1]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == ids[5]
+    outs = _collect(engine, "Lily", SamplingParams(max_tokens=7, temperature=0), "u")
+    assert outs[-1].finish_reason == "length" and outs[-1].num_generated_tokens == 7
+
+
+def test_n_samples_share_prompt_blocks_and_differ():
+    engine = make_engine(BUNDLED_MODEL)
+    prompt = PROMPTS[5]  # > 1 block
+    engine.add_request(prompt, SamplingParams(n=4, max_tokens=20, temperature=1.0, seed=9), "n")
+    texts = {i: [] for i in range(4)}
+    finished = set()
+    while engine.has_work():
+        for o in engine.step():
+            texts[o.index] += o.new_token_ids
+            if o.finish_reason:
+                finished.add(o.index)
+    assert finished == {0, 1, 2, 3}
+    assert len({tuple(t) for t in texts.values()}) > 1
+    # Samples 1..3 reused sample 0's full prompt blocks from the prefix cache.
+    prompt_len = len(engine.tokenizer.encode_prompt(prompt))
+    assert engine.stats().prefix_cache_hits >= 3 * (prompt_len // 16) * 16 > 0
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_logprobs_have_top_alternatives_sorted():
+    engine = make_engine(BUNDLED_MODEL)
+    outs = _collect(engine, "Lily", SamplingParams(max_tokens=5, temperature=0.0, logprobs=3))
+    for o in outs:
+        lp = o.logprobs[0]
+        assert lp.token_id == o.new_token_ids[0]
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy picks the best
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
