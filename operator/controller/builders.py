@@ -1,0 +1,259 @@
+"""Desired child objects of one InferenceService: plain dicts ready for server-side apply.
+
+Pure functions of (resource identity, parsed spec, operator config, live replica counts), so
+they are unit-tested without a cluster. Every child carries the owner reference (garbage
+collection on deletion) and a hash of its own content (an unchanged child is never rewritten).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.operator import constants as c
+from kvrelay.operator.config import OperatorConfig
+from kvrelay.operator.spec import InferenceServiceSpec, InvalidSpec, RoleSpec
+
+MAX_NAME_LENGTH = 63 - len("-prefill")  # child Service names must stay valid DNS labels
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    namespace: str
+    uid: str
+
+
+def child_name(owner_name: str, role: str) -> str:
+    return f"{owner_name}-{role}"
+
+
+def config_map_name(owner_name: str) -> str:
+    return f"{owner_name}-config"
+
+
+def service_host(owner: Owner, role: str) -> str:
+    return f"{child_name(owner.name, role)}.{owner.namespace}.svc.cluster.local"
+
+
+def gateway_url(owner: Owner) -> str:
+    return f"http://{service_host(owner, 'gateway')}:{c.GATEWAY_HTTP_PORT}"
+
+
+def check_name(name: str) -> None:
+    if len(name) > MAX_NAME_LENGTH:
+        raise InvalidSpec(f"metadata.name is {len(name)} characters; at most {MAX_NAME_LENGTH} fit child names")
+
+
+def content_hash(obj: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def labels(owner: Owner, role: str | None = None) -> dict[str, str]:
+    out = {
+        c.LABEL_NAME: "kvrelay",
+        c.LABEL_INSTANCE: owner.name,
+        c.LABEL_MANAGED_BY: c.FIELD_MANAGER,
+    }
+    if role:
+        out[c.LABEL_COMPONENT] = role
+    return out
+
+
+def selector(owner: Owner, role: str) -> dict[str, str]:
+    return {c.LABEL_INSTANCE: owner.name, c.LABEL_COMPONENT: role}
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": c.API_VERSION,
+        "kind": c.KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(owner: Owner, name: str, role: str | None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": labels(owner, role),
+        "ownerReferences": [owner_reference(owner)],
+    }
+
+
+def settings_data(spec: InferenceServiceSpec) -> dict[str, str]:
+    """Settings every role reads from its environment (ConfigMap `<name>-config`)."""
+    return {
+        "KVRELAY_MODEL_URI": spec.model.uri,
+        "KVRELAY_MODEL_NAME": spec.model.name,
+        "KVRELAY_DTYPE": spec.model.dtype,
+        "KVRELAY_QUANTIZATION": spec.model.quantization,
+        "KVRELAY_KV_TRANSPORT": spec.transport,
+    }
+
+
+def build_config_map(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(owner, config_map_name(owner.name), None),
+        "data": settings_data(spec),
+    }
+
+
+def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: OperatorConfig) -> list[str]:
+    if role in c.WORKER_ROLES:
+        args = [role, "--model", spec.model.uri, "--port", str(c.WORKER_GRPC_PORT),
+                "--metrics-port", str(c.WORKER_METRICS_PORT)]
+    else:
+        args = [
+            "gateway",
+            "--prefill", f"dns:///{service_host(owner, 'prefill')}:{c.WORKER_GRPC_PORT}",
+            "--decode", f"dns:///{service_host(owner, 'decode')}:{c.WORKER_GRPC_PORT}",
+            "--port", str(c.GATEWAY_HTTP_PORT),
+        ]
+        if spec.redis_url or spec.redis_secret or config.default_redis_url:
+            args += ["--redis-url", "$(KVRELAY_REDIS_URL)"]  # expanded by the kubelet from env
+        if spec.tenants_secret:
+            args += ["--tenants", f"{c.TENANTS_MOUNT_DIR}/{spec.tenants_secret.key}"]
+    return args + list(spec.role(role).args)
+
+
+def _role_env(role: str, spec: InferenceServiceSpec, config: OperatorConfig) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": "KVRELAY_ROLE", "value": role}]
+    if role == "gateway":
+        if spec.redis_secret:
+            env.append({"name": "KVRELAY_REDIS_URL", "valueFrom": {"secretKeyRef": {
+                "name": spec.redis_secret.name, "key": spec.redis_secret.key}}})
+        elif spec.redis_url or config.default_redis_url:
+            env.append({"name": "KVRELAY_REDIS_URL", "value": spec.redis_url or config.default_redis_url})
+    return env + [copy.deepcopy(dict(v)) for v in spec.role(role).env]
+
+
+def _probes(role: str) -> dict[str, Any]:
+    if role == "gateway":
+        return {
+            "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
+            "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                              "failureThreshold": 6},
+        }
+    # gRPC workers: ready once the port accepts connections (model loaded before listening).
+    return {"readinessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 5}}
+
+
+def _ports(role: str) -> list[dict[str, Any]]:
+    if role == "gateway":
+        return [{"name": "http", "containerPort": c.GATEWAY_HTTP_PORT, "protocol": "TCP"}]
+    return [
+        {"name": "grpc", "containerPort": c.WORKER_GRPC_PORT, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": c.WORKER_METRICS_PORT, "protocol": "TCP"},
+    ]
+
+
+def build_deployment(
+    owner: Owner, role: str, spec: InferenceServiceSpec, config: OperatorConfig, replicas: int
+) -> dict[str, Any]:
+    rs: RoleSpec = spec.role(role)
+    container: dict[str, Any] = {
+        "name": role,
+        "image": rs.image or config.image,
+        "imagePullPolicy": config.image_pull_policy,
+        "args": _role_command(owner, role, spec, config),
+        "envFrom": [{"configMapRef": {"name": config_map_name(owner.name)}}],
+        "env": _role_env(role, spec, config),
+        "ports": _ports(role),
+        **_probes(role),
+    }
+    if rs.resources:
+        container["resources"] = copy.deepcopy(rs.resources)
+    pod_spec: dict[str, Any] = {"containers": [container]}
+    if role == "gateway" and spec.tenants_secret:
+        container["volumeMounts"] = [{"name": "tenants", "mountPath": c.TENANTS_MOUNT_DIR, "readOnly": True}]
+        pod_spec["volumes"] = [{"name": "tenants", "secret": {"secretName": spec.tenants_secret.name}}]
+    if rs.node_selector:
+        pod_spec["nodeSelector"] = dict(rs.node_selector)
+    if rs.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(rs.tolerations)
+    template_annotations = {c.ANNOTATION_CONFIG_HASH: content_hash(settings_data(spec))}
+    if role in c.WORKER_ROLES:
+        template_annotations.update({"prometheus.io/scrape": "true",
+                                     "prometheus.io/port": str(c.WORKER_METRICS_PORT)})
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, child_name(owner.name, role), role),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector(owner, role)},
+            "template": {
+                "metadata": {"labels": labels(owner, role), "annotations": template_annotations},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_service(owner: Owner, role: str) -> dict[str, Any]:
+    spec: dict[str, Any] = {"selector": selector(owner, role)}
+    if role == "gateway":
+        spec.update(type="ClusterIP", ports=[
+            {"name": "http", "port": c.GATEWAY_HTTP_PORT, "targetPort": "http", "protocol": "TCP"}])
+    else:
+        # Headless: DNS returns every ready worker pod, which the gateway balances over.
+        spec.update(clusterIP="None", ports=[
+            {"name": "grpc", "port": c.WORKER_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
+            {"name": "metrics", "port": c.WORKER_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
+        ])
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(owner, child_name(owner.name, role), role),
+            "spec": spec}
+
+
+def initial_or_live_replicas(role: str, rs: RoleSpec, live: int | None) -> int:
+    """Replicas to declare: the spec's count for a fixed role; the live count (bounded) once autoscaled.
+
+    Only prefill and decode are autoscaled; the gateway always runs `replicas` (within bounds).
+    """
+    if role not in c.WORKER_ROLES or not rs.autoscaled or live is None:
+        return rs.initial_replicas
+    return min(max(live, rs.min_replicas), rs.max_replicas)
+
+
+def build_children(
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    config: OperatorConfig,
+    live_replicas: Mapping[str, int | None] | None = None,
+) -> list[dict[str, Any]]:
+    """All children in apply order: settings first, then Services, then the workloads."""
+    check_name(owner.name)
+    live_replicas = live_replicas or {}
+    children = [build_config_map(owner, spec)]
+    children += [build_service(owner, role) for role in c.ROLES]
+    children += [
+        build_deployment(owner, role, spec, config,
+                         initial_or_live_replicas(role, spec.role(role), live_replicas.get(role)))
+        for role in c.ROLES
+    ]
+    for child in children:
+        stamp_hash(child)
+    return children
+
+
+def hashed_content(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """What the spec hash covers: everything but replicas (the autoscaler's) and the hash itself."""
+    body = copy.deepcopy(dict(obj))
+    body.get("metadata", {}).get("annotations", {}).pop(c.ANNOTATION_SPEC_HASH, None)
+    if body.get("kind") == "Deployment":
+        body["spec"].pop("replicas", None)
+    return body
+
+
+def stamp_hash(obj: dict[str, Any]) -> None:
+    obj["metadata"].setdefault("annotations", {})[c.ANNOTATION_SPEC_HASH] = content_hash(hashed_content(obj))

@@ -1,0 +1,80 @@
+"""The few Kubernetes API calls the operator makes, over kopf's authenticated HTTP client.
+
+kopf has no server-side-apply helper, so this module issues the PATCH requests itself through
+kopf's request function: it reuses kopf's login (kubeconfig, service account), its
+re-authentication on 401 and its retries. kopf's client lives in a private module; this file
+is the only place that touches it (kopf is pinned below 2 in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.parse
+from collections.abc import Mapping
+from typing import Any
+
+from kopf._cogs.clients import api, errors
+from kopf._cogs.configs.configuration import OperatorSettings
+from kvrelay.operator import constants as c
+
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # JSON is valid YAML
+MERGE_CONTENT_TYPE = "application/merge-patch+json"
+
+KIND_PATHS = {
+    ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{namespace}/deployments",
+    ("v1", "Service"): "/api/v1/namespaces/{namespace}/services",
+    ("v1", "ConfigMap"): "/api/v1/namespaces/{namespace}/configmaps",
+    (c.API_VERSION, c.KIND): f"/apis/{c.API_VERSION}/namespaces/{{namespace}}/{c.PLURAL}",
+}
+
+NotFound = errors.APINotFoundError
+APIError = errors.APIError
+
+
+def object_path(api_version: str, kind: str, namespace: str, name: str) -> str:
+    try:
+        collection = KIND_PATHS[(api_version, kind)]
+    except KeyError:
+        raise ValueError(f"the operator manages no {kind} of {api_version}") from None
+    return f"{collection.format(namespace=namespace)}/{name}"
+
+
+def path_of(obj: Mapping[str, Any]) -> str:
+    meta = obj["metadata"]
+    return object_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+
+
+class KubeClient:
+    """Thin wrapper so handlers read as what they do; one per operator."""
+
+    def __init__(self, settings: OperatorSettings, logger: logging.Logger | logging.LoggerAdapter):
+        self.settings = settings
+        self.logger = logger
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        try:
+            return await api.get(path, settings=self.settings, logger=self.logger)
+        except errors.APINotFoundError:
+            return None
+
+    async def apply(self, obj: Mapping[str, Any], field_manager: str = c.FIELD_MANAGER) -> dict[str, Any]:
+        """Server-side apply (creates the object when missing); force takes over conflicting fields."""
+        query = urllib.parse.urlencode({"fieldManager": field_manager, "force": "true"})
+        return await api.patch(
+            f"{path_of(obj)}?{query}",
+            payload=json.loads(json.dumps(obj)),
+            headers={"Content-Type": APPLY_CONTENT_TYPE},
+            settings=self.settings,
+            logger=self.logger,
+        )
+
+    async def merge_patch(self, path: str, patch: Mapping[str, Any], field_manager: str) -> dict[str, Any]:
+        query = urllib.parse.urlencode({"fieldManager": field_manager})
+        return await api.patch(
+            f"{path}?{query}",
+            payload=dict(patch),
+            headers={"Content-Type": MERGE_CONTENT_TYPE},
+            settings=self.settings,
+            logger=self.logger,
+        )

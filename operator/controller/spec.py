@@ -1,0 +1,208 @@
+"""The InferenceService spec as plain dataclasses, with the CRD's defaults and its validation.
+
+The API server applies the CRD's defaults and schema; the operator applies them again so it never
+depends on them (older CRD installed, objects written with validation off) and never crashes on
+bad input: anything wrong raises InvalidSpec with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "int8", "fp8")
+TRANSPORTS = ("grpc", "rdma")
+METRICS = ("queueDepth",)
+
+
+class InvalidSpec(ValueError):
+    """The resource's spec cannot be reconciled; the message says which field and why."""
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    replicas: int = 1
+    min_replicas: int = 1
+    max_replicas: int = 1
+    resources: dict[str, Any] = field(default_factory=dict)
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    image: str | None = None
+    args: list[str] = field(default_factory=list)
+    env: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.max_replicas > self.min_replicas
+
+    @property
+    def initial_replicas(self) -> int:
+        return min(max(self.replicas, self.min_replicas), self.max_replicas)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    uri: str
+    name: str
+    dtype: str = "auto"
+    quantization: str = "none"
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    metric: str = "queueDepth"
+    target_per_replica: float = 4.0
+    kv_cache_usage_target: float = 0.85
+    tolerance: float = 0.1
+    scale_up_stabilization_seconds: int = 0
+    scale_down_stabilization_seconds: int = 300
+    interval_seconds: int = 15
+    max_step_replicas: int = 4
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class InferenceServiceSpec:
+    model: ModelSpec
+    prefill: RoleSpec
+    decode: RoleSpec
+    gateway: RoleSpec
+    autoscaling: AutoscalingSpec
+    transport: str = "grpc"
+    tenants_secret: SecretRef | None = None
+    redis_url: str | None = None
+    redis_secret: SecretRef | None = None
+
+    def role(self, name: str) -> RoleSpec:
+        return {"prefill": self.prefill, "decode": self.decode, "gateway": self.gateway}[name]
+
+
+def _obj(value: Any, path: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidSpec(f"{path} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _int(src: Mapping[str, Any], key: str, path: str, default: int, minimum: int = 0) -> int:
+    value = src.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSpec(f"{path}.{key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise InvalidSpec(f"{path}.{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _num(src: Mapping[str, Any], key: str, path: str, default: float, low: float, high: float | None,
+         low_inclusive: bool = True) -> float:
+    value = src.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidSpec(f"{path}.{key} must be a number, got {value!r}")
+    too_low = value < low if low_inclusive else value <= low
+    if too_low or (high is not None and value > high):
+        bound = f"{'>=' if low_inclusive else '>'} {low}" + (f" and <= {high}" if high is not None else "")
+        raise InvalidSpec(f"{path}.{key} must be {bound}, got {value}")
+    return float(value)
+
+
+def _enum(src: Mapping[str, Any], key: str, path: str, choices: tuple[str, ...]) -> str:
+    value = src.get(key, choices[0])
+    if value not in choices:
+        raise InvalidSpec(f"{path}.{key} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def _list(src: Mapping[str, Any], key: str, path: str) -> list[Any]:
+    value = src.get(key) or []
+    if not isinstance(value, list):
+        raise InvalidSpec(f"{path}.{key} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _role(value: Any, path: str) -> RoleSpec:
+    src = _obj(value, path)
+    role = RoleSpec(
+        replicas=_int(src, "replicas", path, 1),
+        min_replicas=_int(src, "minReplicas", path, 1),
+        max_replicas=_int(src, "maxReplicas", path, 1),
+        resources=dict(_obj(src.get("resources"), f"{path}.resources")),
+        node_selector={str(k): str(v) for k, v in _obj(src.get("nodeSelector"), f"{path}.nodeSelector").items()},
+        tolerations=_list(src, "tolerations", path),
+        image=src.get("image") or None,
+        args=[str(a) for a in _list(src, "args", path)],
+        env=_list(src, "env", path),
+    )
+    if role.min_replicas > role.max_replicas:
+        raise InvalidSpec(
+            f"{path}.minReplicas ({role.min_replicas}) must be <= {path}.maxReplicas ({role.max_replicas})"
+        )
+    for i, var in enumerate(role.env):
+        if not isinstance(var, Mapping) or not var.get("name"):
+            raise InvalidSpec(f"{path}.env[{i}] must be an object with a name")
+    return role
+
+
+def _secret_ref(value: Any, path: str, default_key: str) -> SecretRef | None:
+    if value is None:
+        return None
+    src = _obj(value, path)
+    if not src.get("name"):
+        raise InvalidSpec(f"{path}.name is required")
+    return SecretRef(name=str(src["name"]), key=str(src.get("key") or default_key))
+
+
+def parse_spec(spec: Mapping[str, Any] | None, resource_name: str) -> InferenceServiceSpec:
+    """Parse and validate a resource's spec; raise InvalidSpec naming the first bad field."""
+    spec = _obj(spec, "spec")
+    if "model" not in spec:
+        raise InvalidSpec("spec.model is required (spec.model.uri: the model folder inside the pod)")
+    model_src = _obj(spec["model"], "spec.model")
+    uri = model_src.get("uri")
+    if not isinstance(uri, str) or not uri.strip():
+        raise InvalidSpec("spec.model.uri is required: the model folder inside the pod, e.g. /models/llama")
+    model = ModelSpec(
+        uri=uri,
+        name=str(model_src.get("name") or resource_name),
+        dtype=_enum(model_src, "dtype", "spec.model", DTYPES),
+        quantization=_enum(model_src, "quantization", "spec.model", QUANTIZATIONS),
+    )
+    a = _obj(spec.get("autoscaling"), "spec.autoscaling")
+    p = "spec.autoscaling"
+    autoscaling = AutoscalingSpec(
+        metric=_enum(a, "metric", p, METRICS),
+        target_per_replica=_num(a, "targetPerReplica", p, 4.0, 0.0, None, low_inclusive=False),
+        kv_cache_usage_target=_num(a, "kvCacheUsageTarget", p, 0.85, 0.0, 1.0, low_inclusive=False),
+        tolerance=_num(a, "tolerance", p, 0.1, 0.0, 1.0),
+        scale_up_stabilization_seconds=_int(a, "scaleUpStabilizationSeconds", p, 0),
+        scale_down_stabilization_seconds=_int(a, "scaleDownStabilizationSeconds", p, 300),
+        interval_seconds=_int(a, "intervalSeconds", p, 15, minimum=1),
+        max_step_replicas=_int(a, "maxStepReplicas", p, 4, minimum=1),
+    )
+    redis = _obj(spec.get("redis"), "spec.redis")
+    redis_url = redis.get("url") or None
+    redis_secret = _secret_ref(redis.get("secretRef"), "spec.redis.secretRef", "url")
+    if redis_url and redis_secret:
+        raise InvalidSpec("spec.redis: set either url or secretRef, not both")
+    if redis_url is not None and not re.match(r"^rediss?://", str(redis_url)):
+        raise InvalidSpec(f"spec.redis.url must start with redis:// or rediss://, got {redis_url!r}")
+    tenants = _obj(spec.get("tenants"), "spec.tenants")
+    return InferenceServiceSpec(
+        model=model,
+        prefill=_role(spec.get("prefill"), "spec.prefill"),
+        decode=_role(spec.get("decode"), "spec.decode"),
+        gateway=_role(spec.get("gateway"), "spec.gateway"),
+        autoscaling=autoscaling,
+        transport=_enum(_obj(spec.get("kvTransfer"), "spec.kvTransfer"), "transport", "spec.kvTransfer", TRANSPORTS),
+        tenants_secret=_secret_ref(tenants.get("secretRef"), "spec.tenants.secretRef", "tenants.yaml"),
+        redis_url=redis_url,
+        redis_secret=redis_secret,
+    )
