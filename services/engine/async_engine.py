@@ -12,8 +12,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError
@@ -142,12 +141,15 @@ class AsyncEngine:
         try:
             try:
                 block_ids = await self.call_in_engine_thread(
-                    lambda llm: list(llm.reserve(prompt_ids, params, request_id, priority).block_table))
+                    lambda llm: list(llm.reserve(prompt_ids, params, request_id, priority).block_table)
+                )
             except Exception:
                 reserve_failed = True  # nothing allocated; the id may belong to someone else
                 raise
             first_token, first_logprob = await load_kv(block_ids)
-            item = await self.call_in_engine_thread(lambda llm: llm.activate(request_id, first_token, first_logprob))
+            item = await self.call_in_engine_thread(
+                lambda llm: llm.activate(request_id, first_token, first_logprob)
+            )
             while True:
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped after an error: {item!r}") from item
@@ -188,7 +190,7 @@ class AsyncEngine:
                 fn, fut = arg
                 try:
                     result = fn(self.engine)
-                except Exception as e:  # handed to the awaiting caller
+                except Exception as e:  # noqa: BLE001 - handed to the awaiting caller
                     self._loop.call_soon_threadsafe(_set_exception, fut, e)
                 else:
                     self._loop.call_soon_threadsafe(_set_result, fut, result)
@@ -205,7 +207,7 @@ class AsyncEngine:
                 if not self.engine.has_work() and self._commands.empty():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
-        except BaseException as e:  # noqa: BLE001 - every stream must learn the engine died
+        except BaseException as e:
             log.exception("engine step loop crashed")
             self._dead = e
             self._loop.call_soon_threadsafe(self._fail_all, e)

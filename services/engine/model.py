@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from kvrelay.engine.model_config import ModelConfig, rope_cos_sin_cache
 from kvrelay.engine.weights import Linear, ModelWeights
 from kvrelay.kernels.registry import KernelOps

@@ -1,0 +1,202 @@
+"""The decode worker: admits a request only if its prompt's blocks can be reserved now, pulls the
+prompt's K/V from a prefill worker into those blocks (KVTransport), then continues generation in
+its continuous batch and streams outputs back (DecodeService.Generate).
+
+Failure handling: a prefill worker that dies, refuses or sends a bad chunk before the hand-off
+completes costs the reservation (freed after the last write, on the engine thread) and the
+request moves on to the next prefill worker, then to a local prefill (unless disabled). A
+layout mismatch or a full cache is the caller's to fix and is reported, not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import torch
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.block_pool import NoFreeBlocksError
+from kvrelay.engine.errors import EngineDeadError, InvalidRequestError
+from kvrelay.engine.outputs import RequestOutput
+from kvrelay.engine.sequence import Status
+from kvrelay.kvtransfer.convert import output_to_proto, params_from_proto
+from kvrelay.kvtransfer.errors import (
+    ChunkError,
+    HandoffError,
+    NoCapacityError,
+    PrefillFailedError,
+    RequestAbortedError,
+    WorkerUnavailableError,
+)
+from kvrelay.kvtransfer.layout import ChunkRange
+from kvrelay.kvtransfer.status import abort_with
+from kvrelay.kvtransfer.transport import GrpcKVTransport, HandoffRequest, KVDestination, KVTransport
+from kvrelay.kvtransfer.worker_base import WorkerBase, WorkerOptions
+from kvrelay.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    handoff_task: asyncio.Task | None = None  # the KV pull in progress
+    aborted: bool = False
+    num_cached_tokens: int | None = None  # reported by the prefill worker
+
+
+class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
+    role = "decode"
+
+    def __init__(self, engine: AsyncEngine, options: WorkerOptions | None = None,
+                 transport: KVTransport | None = None):
+        super().__init__(engine, options)
+        self.transport = transport or GrpcKVTransport(self.layout, self.options.max_message_bytes,
+                                                      self.options.handoff_timeout_s)
+        self._requests: dict[str, _Request] = {}
+
+    def add_services(self, server: grpc.aio.Server) -> None:
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(self, server)
+
+    def active_handoffs(self) -> int:
+        return sum(1 for r in self._requests.values() if r.handoff_task is not None)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await super().stop(grace_s)
+        await self.transport.close()
+
+    # ---- RPCs ---------------------------------------------------------------------------------
+
+    async def Abort(self, request, context):
+        req = self._requests.get(request.request_id)
+        if req is None:
+            return prefill_pb2.AbortReply(found=False)
+        req.aborted = True
+        self.metrics.aborts.labels("client").inc()
+        if req.handoff_task is not None:
+            req.handoff_task.cancel()  # the transport aborts towards the prefill worker
+        await self.engine.abort(request.request_id)
+        return prefill_pb2.AbortReply(found=True)
+
+    async def Generate(self, request, context):
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self._requests:
+            await abort_with(context, InvalidRequestError(f"request_id {rid!r} is already in use", "request_id"))
+        req = self._requests[rid] = _Request(rid)
+        arrival = time.monotonic()
+        last = None
+        try:
+            params = params_from_proto(request.params)
+            prompt = request.text if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
+            ids = self.engine.engine.tokenize_prompt(prompt)
+            outputs = self._serve(req, ids, params, request.priority, list(request.prefill_addrs),
+                                  request.allow_local_prefill)
+            async for out in outputs:
+                now = time.monotonic()
+                if out.new_token_ids:
+                    if last is None:
+                        self.metrics.ttft.observe(now - arrival)
+                    else:
+                        self.metrics.itl.observe(now - last)
+                    last = now
+                if out.finished:
+                    self.metrics.e2e.observe(now - arrival)
+                yield decode_pb2.GenerateResponse(output=output_to_proto(out, req.num_cached_tokens))
+        except (InvalidRequestError, HandoffError, NoFreeBlocksError, EngineDeadError) as e:
+            await abort_with(context, e)
+        finally:
+            self._requests.pop(rid, None)
+
+    # ---- serving ----------------------------------------------------------------------------
+
+    async def _serve(self, req: _Request, ids: list[int], params, priority: int, prefill_addrs: list[str],
+                     allow_local: bool):
+        if params.n == 1 and prefill_addrs:
+            errors = []
+            for i, addr in enumerate(prefill_addrs):
+                try:
+                    async for out in self.engine.generate_prefilled(
+                            ids, params, req.request_id, priority,
+                            lambda blocks, addr=addr: self._load_kv(req, addr, ids, params, priority, blocks)):
+                        yield out
+                    return
+                except NoFreeBlocksError as e:
+                    self.metrics.failures.labels("no_free_blocks").inc()
+                    raise NoCapacityError(f"decode worker cannot hold the prompt's {len(ids)} tokens now ({e}); "
+                                          f"route the request to another decode worker") from None
+                except RequestAbortedError:
+                    yield self._aborted_output(req, ids)
+                    return
+                except (PrefillFailedError, ChunkError) as e:
+                    if req.aborted:
+                        yield self._aborted_output(req, ids)
+                        return
+                    log.warning("remote prefill of %s on %s failed: %s", req.request_id, addr, e)
+                    self.metrics.failures.labels(type(e).__name__).inc()
+                    errors.append(f"{addr}: {e}")
+                    # The failed attempt's abort is queued on the engine thread; wait until it ran.
+                    await self.engine.call_in_engine_thread(lambda llm: None)
+                    if i + 1 < len(prefill_addrs):
+                        self.metrics.fallbacks.labels("retry").inc()
+            if not (allow_local and self.options.allow_local_prefill):
+                raise WorkerUnavailableError("no prefill worker could serve the request and local prefill is "
+                                             "disabled: " + "; ".join(errors))
+            self.metrics.fallbacks.labels("local").inc()
+        elif params.n == 1 and not (allow_local and self.options.allow_local_prefill):
+            raise WorkerUnavailableError("no prefill worker given and local prefill is disabled")
+        if req.aborted:
+            yield self._aborted_output(req, ids)
+            return
+        req.num_cached_tokens = None
+        async for out in self.engine.generate(ids, params, req.request_id, priority):
+            yield out
+
+    async def _load_kv(self, req: _Request, addr: str, ids: list[int], params, priority: int,
+                       block_ids: list[int]):
+        """load_kv of AsyncEngine.generate_prefilled: pull the K/V, return the first token."""
+        if req.aborted:
+            raise RequestAbortedError(f"request {req.request_id} was aborted")
+        dest = KVDestination(block_ids, lambda batch: self._write(req.request_id, block_ids, batch))
+        req.handoff_task = asyncio.create_task(
+            self.transport.pull(addr, HandoffRequest(req.request_id, ids, params, priority), dest))
+        try:
+            result = await req.handoff_task
+        except asyncio.CancelledError:
+            if req.aborted and not asyncio.current_task().cancelling():
+                raise RequestAbortedError(f"request {req.request_id} was aborted during its KV transfer") from None
+            raise
+        finally:
+            req.handoff_task = None
+        m = self.metrics
+        m.kv_seconds.observe(result.seconds)
+        m.kv_bytes.inc(result.bytes)
+        m.kv_overlap_bytes.inc(result.bytes_before_compute_done)
+        if result.seconds > 0:
+            m.kv_speed.observe(result.bytes / result.seconds / 1e9)
+        m.kv_handoffs.labels("ack").inc()
+        req.num_cached_tokens = result.num_cached_tokens
+        return result.first_token, result.first_logprob
+
+    async def _write(self, rid: str, block_ids: list[int], batch: list[tuple[ChunkRange, torch.Tensor]]) -> None:
+        """Copy verified chunks into the request's reserved blocks, on the engine thread, only
+        while the request still holds exactly those blocks (an abort frees them first)."""
+
+        def write(llm) -> None:
+            seqs = llm.requests.get(rid)
+            if not seqs or seqs[0].status is not Status.RESERVED or seqs[0].block_table != block_ids:
+                raise RequestAbortedError(f"request {rid} no longer holds its reserved blocks: write dropped")
+            ids = torch.tensor(block_ids, dtype=torch.long, device=llm.device)
+            for r, t in batch:
+                llm.ops.scatter_blocks(llm.kv_cache, ids[r.block_start:r.block_end], t.to(llm.device),
+                                       r.layer_start, r.layer_end)
+
+        await self.engine.call_in_engine_thread(write)
+
+    def _aborted_output(self, req: _Request, ids: list[int]) -> RequestOutput:
+        return RequestOutput(request_id=req.request_id, index=0, new_token_ids=[], text="", logprobs=None,
+                             finish_reason="abort", stop_reason=None, num_prompt_tokens=len(ids),
+                             num_generated_tokens=0)

@@ -1,0 +1,66 @@
+"""Engine dataclasses <-> kvrelay.v1 messages. Lossless for every field the wire carries."""
+
+from __future__ import annotations
+
+from kvrelay.engine.outputs import RequestOutput, TokenLogprob
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.v1 import common_pb2
+
+_PLAIN = ("n", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+          "presence_penalty", "frequency_penalty", "ignore_eos", "skip_special_tokens")
+
+
+def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+                                    **{k: getattr(p, k) for k in _PLAIN})
+    for k in ("max_tokens", "seed", "logprobs"):
+        if getattr(p, k) is not None:
+            setattr(msg, k, getattr(p, k))
+    return msg
+
+
+def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    p = SamplingParams(**{k: getattr(msg, k) for k in _PLAIN})
+    p.stop = list(msg.stop)
+    p.stop_token_ids = list(msg.stop_token_ids)
+    for k in ("max_tokens", "seed", "logprobs"):
+        setattr(p, k, getattr(msg, k) if msg.HasField(k) else None)
+    return p
+
+
+def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top])
+
+
+def output_to_proto(out: RequestOutput, num_cached_tokens: int | None = None) -> common_pb2.RequestOutput:
+    msg = common_pb2.RequestOutput(
+        request_id=out.request_id, index=out.index, new_token_ids=out.new_token_ids, text=out.text,
+        has_logprobs=out.logprobs is not None, finish_reason=out.finish_reason or "",
+        num_prompt_tokens=out.num_prompt_tokens, num_generated_tokens=out.num_generated_tokens,
+        num_cached_tokens=out.num_cached_tokens if num_cached_tokens is None else num_cached_tokens,
+    )
+    if out.logprobs:
+        msg.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs)
+    if isinstance(out.stop_reason, str):
+        msg.stop_string = out.stop_reason
+    elif isinstance(out.stop_reason, int):
+        msg.stop_token_id = out.stop_reason
+    return msg
+
+
+def output_from_proto(msg: common_pb2.RequestOutput) -> RequestOutput:
+    which = msg.WhichOneof("stop_reason")
+    return RequestOutput(
+        request_id=msg.request_id, index=msg.index, new_token_ids=list(msg.new_token_ids), text=msg.text,
+        logprobs=[logprob_from_proto(lp) for lp in msg.logprobs] if msg.has_logprobs else None,
+        finish_reason=msg.finish_reason or None,
+        stop_reason=getattr(msg, which) if which else None,
+        num_prompt_tokens=msg.num_prompt_tokens, num_generated_tokens=msg.num_generated_tokens,
+        num_cached_tokens=msg.num_cached_tokens,
+    )

@@ -1,0 +1,195 @@
+"""What a KV buffer holds, how a request's K/V is cut into bounded chunks, and how each chunk is verified.
+
+A chunk is the C-contiguous tensor [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]
+of one layer range x one block range of a request, as `ops.gather_blocks` packs it. Every chunk
+carries the full layout and a CRC32; the receiver checks both, the ranges and the size before a
+byte reaches its cache, and checks at the end that every (layer, block) arrived exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from kvrelay.kvtransfer.errors import ChunkError, LayoutMismatchError
+from kvrelay.v1 import kv_pb2
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Bytes a chunk message may carry besides its payload (layout strings, ranges, framing).
+MESSAGE_OVERHEAD = 4096
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model_id: str
+    model_revision: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def bytes_per_block_layer(self) -> int:
+        """Bytes of K and V of one block in one layer."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+
+    def to_proto(self) -> kv_pb2.KVLayout:
+        return kv_pb2.KVLayout(**asdict(self))
+
+    @classmethod
+    def from_proto(cls, msg: kv_pb2.KVLayout) -> KVLayout:
+        return cls(**{f: getattr(msg, f) for f in cls.__dataclass_fields__})
+
+    @classmethod
+    def of_engine(cls, llm, revision: str | None = None) -> KVLayout:
+        """The layout of an LLMEngine's paged cache."""
+        cfg = llm.config
+        return cls(
+            model_id=llm.model_name,
+            model_revision=revision or model_revision(llm.args),
+            dtype=DTYPE_NAMES[llm.dtype],
+            block_size=llm.args.block_size,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+        )
+
+    def describe(self) -> str:
+        return (f"{self.model_id}@{self.model_revision} {self.dtype} block_size={self.block_size} "
+                f"layers={self.num_layers} kv_heads={self.num_kv_heads} head_dim={self.head_dim}")
+
+
+def check_layout(expected: KVLayout, got: KVLayout, where: str) -> None:
+    """Raise LayoutMismatchError naming every differing field."""
+    diffs = [f"{f}: expected {getattr(expected, f)!r}, got {getattr(got, f)!r}"
+             for f in KVLayout.__dataclass_fields__ if getattr(expected, f) != getattr(got, f)]
+    if diffs:
+        raise LayoutMismatchError(
+            f"KV layout mismatch ({where}): " + "; ".join(diffs)
+            + ". Prefill and decode workers must serve the same model revision with the same --dtype "
+              "and --block-size."
+        )
+
+
+def model_revision(args) -> str:
+    """A fingerprint of the weights a worker serves: config, load format, and the safetensors
+    files' headers, sizes and first/last MiB. Cheap for any model size; pass --model-revision
+    (e.g. a git or hub commit) to pin it explicitly."""
+    h = hashlib.blake2b(digest_size=8)
+    model_dir = Path(args.model)
+    h.update((model_dir / "config.json").read_bytes())
+    h.update(json.dumps([args.load_format, args.dummy_seed if args.load_format == "dummy" else None,
+                         args.quantization]).encode())
+    if args.load_format != "dummy":
+        for path in sorted(model_dir.glob("*.safetensors")):
+            size = path.stat().st_size
+            h.update(f"{path.name}:{size}".encode())
+            with path.open("rb") as f:
+                h.update(f.read(2**20))
+                f.seek(max(0, size - 2**20))
+                h.update(f.read(2**20))
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ChunkRange:
+    layer_start: int
+    layer_end: int
+    block_start: int
+    block_end: int
+
+
+def plan_chunks(layout: KVLayout, layer_start: int, layer_end: int, num_blocks: int,
+                max_message_bytes: int) -> list[ChunkRange]:
+    """Cut layers [layer_start, layer_end) x all blocks into chunks whose payload fits one message."""
+    per = layout.bytes_per_block_layer
+    budget = max_message_bytes - MESSAGE_OVERHEAD
+    if per > budget:
+        raise ValueError(
+            f"max message size {max_message_bytes} B cannot carry one block of one layer ({per} B plus "
+            f"{MESSAGE_OVERHEAD} B framing): raise --max-message-bytes")
+    layers = layer_end - layer_start
+    if layers * per <= budget:  # whole layer range, as many blocks as fit
+        step = budget // (layers * per)
+        return [ChunkRange(layer_start, layer_end, b, min(b + step, num_blocks)) for b in range(0, num_blocks, step)]
+    layers_per = budget // per  # fewer layers, one block range each
+    out = []
+    for lo in range(layer_start, layer_end, layers_per):
+        hi = min(lo + layers_per, layer_end)
+        step = budget // ((hi - lo) * per)
+        out.extend(ChunkRange(lo, hi, b, min(b + step, num_blocks)) for b in range(0, num_blocks, step))
+    return out
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def encode_chunk(layout_msg: kv_pb2.KVLayout, r: ChunkRange, num_tokens: int, t: torch.Tensor) -> kv_pb2.KVChunk:
+    data = tensor_bytes(t)
+    return kv_pb2.KVChunk(
+        layout=layout_msg, layer_start=r.layer_start, layer_end=r.layer_end, block_start=r.block_start,
+        block_end=r.block_end, num_tokens=num_tokens, crc32=zlib.crc32(data), data=data,
+    )
+
+
+class ChunkVerifier:
+    """Receiver side of one hand-off: verifies each chunk against the expected layout and
+    request size, tracks which (layer, block) slices arrived, and proves completeness."""
+
+    def __init__(self, layout: KVLayout, num_tokens: int, num_blocks: int):
+        self.layout = layout
+        self.num_tokens = num_tokens
+        self.num_blocks = num_blocks
+        self.seen = np.zeros((layout.num_layers, num_blocks), dtype=bool)
+        self.bytes = 0
+
+    def verify(self, chunk: kv_pb2.KVChunk) -> tuple[ChunkRange, torch.Tensor]:
+        """Checked (range, tensor) of a chunk; raises LayoutMismatchError or ChunkError."""
+        lay = self.layout
+        check_layout(lay, KVLayout.from_proto(chunk.layout), "KV chunk")
+        r = ChunkRange(chunk.layer_start, chunk.layer_end, chunk.block_start, chunk.block_end)
+        if not (0 <= r.layer_start < r.layer_end <= lay.num_layers and 0 <= r.block_start < r.block_end
+                <= self.num_blocks):
+            raise ChunkError(f"KV chunk range layers [{r.layer_start}, {r.layer_end}) blocks [{r.block_start}, "
+                             f"{r.block_end}) is outside {lay.num_layers} layers x {self.num_blocks} blocks")
+        if chunk.num_tokens != self.num_tokens:
+            raise ChunkError(f"KV chunk describes {chunk.num_tokens} tokens, the request has {self.num_tokens}")
+        shape = (r.layer_end - r.layer_start, 2, r.block_end - r.block_start, lay.block_size,
+                 lay.num_kv_heads, lay.head_dim)
+        want = int(np.prod(shape)) * lay.torch_dtype.itemsize
+        if len(chunk.data) != want:
+            raise ChunkError(f"KV chunk carries {len(chunk.data)} bytes, its shape {shape} needs {want}")
+        crc = zlib.crc32(chunk.data)
+        if crc != chunk.crc32:
+            raise ChunkError(f"KV chunk checksum mismatch (crc32 {crc:#010x}, sent {chunk.crc32:#010x}): "
+                             f"corrupted in transit")
+        window = self.seen[r.layer_start:r.layer_end, r.block_start:r.block_end]
+        if window.any():
+            raise ChunkError(f"KV chunk layers [{r.layer_start}, {r.layer_end}) blocks [{r.block_start}, "
+                             f"{r.block_end}) overlaps a slice already received")
+        window[:] = True
+        self.bytes += want
+        with warnings.catch_warnings():  # read-only buffer: scatter only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(chunk.data, dtype=torch.uint8).view(lay.torch_dtype).reshape(shape)
+        return r, t
+
+    def check_complete(self) -> None:
+        missing = int((~self.seen).sum())
+        if missing:
+            raise ChunkError(f"KV transfer incomplete: {missing} of {self.seen.size} (layer, block) slices "
+                             f"never arrived")

@@ -1,0 +1,75 @@
+"""Prometheus metrics of a prefill or decode worker, vLLM-style names under `kvrelay:`.
+
+Each worker owns a CollectorRegistry (several workers can live in one test process). Engine
+gauges and totals are read from EngineStats at scrape time; latencies and KV-transfer figures
+are observed by the worker code.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+SPEED_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+
+class EngineStatsCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        for name, doc, value in (
+            ("kvrelay:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("kvrelay:num_requests_running", "Requests in the running batch.", s.num_running),
+            ("kvrelay:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", s.kv_usage),
+            ("kvrelay:kv_cache_blocks_free", "KV blocks free (evictable cached blocks count as free).",
+             s.kv_blocks_free),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+            ("kvrelay:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("kvrelay:prefix_cache_hits", "Prompt tokens served by the prefix cache.", s.prefix_cache_hits),
+            ("kvrelay:num_preemptions", "Sequences preempted (recompute).", s.num_preemptions),
+            ("kvrelay:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total),
+            ("kvrelay:generation_tokens", "Tokens generated.", s.generation_tokens_total),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class WorkerMetrics:
+    def __init__(self, engine=None):
+        self.registry = r = CollectorRegistry()
+        if engine is not None:
+            r.register(EngineStatsCollector(engine))
+        self.ttft = Histogram("kvrelay:time_to_first_token_seconds", "Time to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvrelay:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvrelay:e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_seconds = Histogram("kvrelay:kv_transfer_seconds",
+                                    "KV hand-off latency: first header to last chunk written.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_speed = Histogram("kvrelay:kv_transfer_speed_gb_s", "KV hand-off speed per request (GB/s).",
+                                  buckets=SPEED_BUCKETS, registry=r)
+        self.kv_bytes = Counter("kvrelay:kv_transfer_bytes", "KV bytes handed off.", registry=r)
+        self.kv_overlap_bytes = Counter(
+            "kvrelay:kv_transfer_overlapped_bytes",
+            "KV bytes sent while the prefill was still computing (layer-wise streaming).", registry=r)
+        self.kv_handoffs = Counter("kvrelay:kv_handoffs", "KV hand-offs by outcome.", ["outcome"], registry=r)
+        self.lease_expiries = Counter("kvrelay:kv_lease_expiries", "Held KV leases that expired unacknowledged.",
+                                      registry=r)
+        self.aborts = Counter("kvrelay:kv_transfer_aborts", "Hand-offs aborted, by who asked.", ["reason"],
+                              registry=r)
+        self.fallbacks = Counter("kvrelay:kv_transfer_fallbacks",
+                                 "Requests whose remote prefill failed: retried on another prefill worker "
+                                 "(retry) or prefilled locally (local).", ["kind"], registry=r)
+        self.failures = Counter("kvrelay:kv_transfer_failures", "Failed hand-offs by reason.", ["reason"],
+                                registry=r)
+
+    def serve(self, port: int, host: str = "0.0.0.0"):
+        """Serve /metrics on its own thread; returns the server (call .shutdown())."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server

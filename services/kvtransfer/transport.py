@@ -1,0 +1,227 @@
+"""The KVTransport interface (decode side pulls a prompt's K/V into blocks it reserved) and its
+gRPC implementation.
+
+Contract of `pull`: the transport asks the prefill worker to prefill, verifies every chunk
+(layout, ranges, size, checksum) before handing it to `dest.write`, checks that every
+(layer, block) arrived exactly once, acknowledges so the prefill worker frees its blocks, and
+returns the first token. On any failure or cancellation it tells the prefill worker explicitly
+(abort message, then stream cancel) and raises; it never writes after returning or raising.
+
+An RDMA transport (UCX or NIXL) slots in behind the same interface: it would register both
+workers' kv_cache tensors with the NIC, exchange memory descriptors for the held and reserved
+block ids over the same control stream (header and done messages), and replace dest.write with
+one-sided reads straight into dest.block_ids, signalled per layer group. Neither library is
+available on these machines, so only the gRPC transport exists.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+from kvrelay.engine.errors import InvalidRequestError
+from kvrelay.engine.outputs import TokenLogprob
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer.convert import logprob_from_proto, params_to_proto
+from kvrelay.kvtransfer.errors import ChunkError, HandoffError, LayoutMismatchError, PrefillFailedError
+from kvrelay.kvtransfer.grpc_options import channel_options
+from kvrelay.kvtransfer.layout import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ChunkRange,
+    ChunkVerifier,
+    KVLayout,
+    check_layout,
+)
+from kvrelay.v1 import kv_pb2, prefill_pb2_grpc
+
+WriteFn = Callable[[list[tuple[ChunkRange, torch.Tensor]]], Awaitable[None]]
+
+
+@dataclass
+class HandoffRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+@dataclass
+class KVDestination:
+    """Where the K/V goes: the decode worker's reserved blocks, in prompt order, and how to write them."""
+
+    block_ids: list[int]
+    write: WriteFn  # copies verified chunks into block_ids (on the engine thread)
+
+
+@dataclass
+class HandoffResult:
+    first_token: int
+    first_logprob: TokenLogprob | None
+    num_cached_tokens: int  # prompt tokens served by the prefill worker's prefix cache
+    bytes: int
+    seconds: float  # header received -> last chunk written
+    bytes_before_compute_done: int
+    prefill_seconds: float
+
+
+class KVTransport(abc.ABC):
+    @abc.abstractmethod
+    async def pull(self, prefill_addr: str, request: HandoffRequest, dest: KVDestination) -> HandoffResult:
+        """Move the request's prompt K/V from prefill_addr into dest; see the module docstring."""
+
+    async def close(self) -> None:
+        """Release connections."""
+
+
+_ERRORS_FROM_PREFILL = {
+    grpc.StatusCode.FAILED_PRECONDITION: LayoutMismatchError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+}
+
+
+class GrpcKVTransport(KVTransport):
+    """K/V travels inline on PrefillService.Prefill, a stream the decode side opens and reads."""
+
+    def __init__(self, layout: KVLayout, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 timeout_s: float = 300.0):
+        self.layout = layout
+        self.max_message_bytes = max_message_bytes
+        self.timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, addr: str) -> prefill_pb2_grpc.PrefillServiceStub:
+        ch = self._channels.get(addr)
+        if ch is None:
+            ch = self._channels[addr] = grpc.aio.insecure_channel(addr, options=channel_options(self.max_message_bytes))
+        return prefill_pb2_grpc.PrefillServiceStub(ch)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    async def pull(self, prefill_addr: str, request: HandoffRequest, dest: KVDestination) -> HandoffResult:
+        call = self._stub(prefill_addr).Prefill()
+        done_ok = False
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                result = await self._run(call, request, dest)
+            done_ok = True
+            return result
+        except grpc.aio.AioRpcError as e:
+            err = _ERRORS_FROM_PREFILL.get(e.code(), PrefillFailedError)
+            raise err(f"prefill worker {prefill_addr}: {e.code().name}: {e.details()}") from None
+        except TimeoutError:
+            raise PrefillFailedError(f"prefill worker {prefill_addr}: no complete hand-off within "
+                                     f"{self.timeout_s:.0f} s") from None
+        finally:
+            if not done_ok:
+                await asyncio.shield(_abort_call(call, "decode side gave up the hand-off"))
+
+    async def _run(self, call, request: HandoffRequest, dest: KVDestination) -> HandoffResult:
+        start = kv_pb2.PrefillStart(
+            request_id=request.request_id, prompt_token_ids=request.prompt_ids,
+            params=params_to_proto(request.params), priority=request.priority,
+            expected_layout=self.layout.to_proto(), max_message_bytes=self.max_message_bytes)
+        await call.write(kv_pb2.PrefillClientMessage(start=start))
+        msg = await _read(call)
+        if msg.WhichOneof("kind") != "header":
+            raise PrefillFailedError(f"hand-off began with {msg.WhichOneof('kind')!r}, expected a header")
+        header = msg.header
+        t0 = time.monotonic()
+        check_layout(self.layout, KVLayout.from_proto(header.layout), "hand-off header")
+        if header.num_tokens != len(request.prompt_ids) or header.num_blocks != len(dest.block_ids):
+            raise ChunkError(f"prefill worker describes {header.num_tokens} tokens in {header.num_blocks} blocks; "
+                             f"decode reserved {len(dest.block_ids)} blocks for {len(request.prompt_ids)} tokens")
+        verifier = ChunkVerifier(self.layout, header.num_tokens, header.num_blocks)
+        writer = _BatchWriter(dest.write)
+        try:
+            while True:
+                msg = await _read(call)
+                kind = msg.WhichOneof("kind")
+                if kind == "chunk":
+                    writer.add(*verifier.verify(msg.chunk))
+                elif kind == "done":
+                    await writer.drain()
+                    verifier.check_complete()
+                    await call.write(kv_pb2.PrefillClientMessage(ack=kv_pb2.PrefillAck()))
+                    await call.done_writing()
+                    done = msg.done
+                    return HandoffResult(
+                        first_token=done.first_token_id,
+                        first_logprob=logprob_from_proto(done.first_logprob) if done.has_logprob else None,
+                        num_cached_tokens=done.num_cached_tokens, bytes=verifier.bytes,
+                        seconds=time.monotonic() - t0, bytes_before_compute_done=done.bytes_before_compute_done,
+                        prefill_seconds=done.prefill_seconds)
+                elif kind == "aborted":
+                    raise PrefillFailedError(f"prefill worker aborted the hand-off: {msg.aborted.reason}")
+                else:
+                    raise PrefillFailedError(f"unexpected {kind!r} message in the hand-off stream")
+        finally:
+            await writer.close()
+
+
+async def _read(call):
+    msg = await call.read()
+    if msg is grpc.aio.EOF:
+        raise PrefillFailedError("the prefill worker closed the hand-off stream early")
+    return msg
+
+
+async def _abort_call(call, reason: str) -> None:
+    """Explicit abort towards the prefill worker, then drop the stream (whatever state it is in)."""
+    # The stream may already be gone: then the cancel below is all there is to do.
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        if not call.done():
+            await asyncio.wait_for(
+                call.write(kv_pb2.PrefillClientMessage(abort=kv_pb2.PrefillAbort(reason=reason))), 0.5)
+    call.cancel()
+
+
+class _BatchWriter:
+    """Writes verified chunks in batches: while one engine-thread write runs, the next ones queue,
+    so the receive loop never waits on the engine between chunks."""
+
+    def __init__(self, write: WriteFn):
+        self._write = write
+        self._pending: list[tuple[ChunkRange, torch.Tensor]] = []
+        self._task: asyncio.Task | None = None
+
+    def add(self, r: ChunkRange, t: torch.Tensor) -> None:
+        if self._task is not None and self._task.done():
+            self._task.result()  # surface a failed write now
+        self._pending.append((r, t))
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            await self._write(batch)
+
+    async def drain(self) -> None:
+        while self._task is not None and not (self._task.done() and not self._pending):
+            if self._task.done():
+                self._task.result()
+                self._task = asyncio.create_task(self._loop())
+            await self._task
+        if self._task is not None:
+            self._task.result()
+
+    async def close(self) -> None:
+        """Stop writing: the caller frees the blocks after this returns."""
+        self._pending.clear()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # already failing
+                await self._task
+
+
+def is_retryable(err: HandoffError) -> bool:
+    return isinstance(err, (PrefillFailedError, ChunkError))

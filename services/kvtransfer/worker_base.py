@@ -1,0 +1,124 @@
+"""What prefill and decode workers share: options, the gRPC server, the load stream, /metrics,
+and the command-line runner used by `kvrelay prefill` and `kvrelay decode`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.engine_args import EngineArgs, parse_bytes
+from kvrelay.kvtransfer.grpc_options import server_options
+from kvrelay.kvtransfer.layout import DEFAULT_MAX_MESSAGE_BYTES, KVLayout
+from kvrelay.kvtransfer.load import LoadServicer
+from kvrelay.kvtransfer.metrics import WorkerMetrics
+from kvrelay.v1 import load_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerOptions:
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # bound on every gRPC message, KV chunks included
+    model_revision: str | None = None  # None: fingerprint of config + weights
+    metrics_port: int | None = None  # serve /metrics here (prometheus_client); None: off
+    load_interval_s: float = 0.5  # default period of the load stream
+    # prefill side
+    lease_seconds: float = 30.0  # held blocks without progress or ack are freed after this
+    layer_group_size: int = 0  # layers per streamed group; 0: a quarter of the layers
+    stream_min_tokens: int = 256  # prompts at least this long stream layer groups while computing
+    debug_chunk_delay_s: float = 0.0  # fault injection for tests: pause after each chunk sent
+    # decode side
+    allow_local_prefill: bool = True  # when every prefill worker failed, prefill on the decode worker
+    handoff_timeout_s: float = 300.0  # give up one remote prefill after this long
+
+
+def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
+    EngineArgs.add_cli_args(parser)
+    d = WorkerOptions()
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, required=True, help="gRPC port (0: any free port, printed at start)")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes,
+                        help="largest gRPC message, KV chunks included (default 4MiB)")
+    parser.add_argument("--model-revision", default=None,
+                        help="revision checked in every KV hand-off (default: fingerprint of config and weights)")
+    if role == "prefill":
+        parser.add_argument("--kv-lease-seconds", dest="lease_seconds", type=float, default=d.lease_seconds,
+                            help="free held KV blocks if the decode worker neither reads nor acknowledges "
+                                 "for this long")
+        parser.add_argument("--layer-group-size", type=int, default=d.layer_group_size,
+                            help="layers per streamed group (0: a quarter of the model's layers)")
+        parser.add_argument("--stream-min-tokens", type=int, default=d.stream_min_tokens,
+                            help="stream layer groups while computing for prompts at least this long")
+        parser.add_argument("--debug-chunk-delay", dest="debug_chunk_delay_s", type=float, default=0.0,
+                            help=argparse.SUPPRESS)  # fault injection for tests
+    else:
+        parser.add_argument("--no-local-prefill", dest="allow_local_prefill", action="store_false",
+                            help="fail requests whose prefill workers all failed instead of prefilling here")
+        parser.add_argument("--handoff-timeout", dest="handoff_timeout_s", type=float, default=d.handoff_timeout_s,
+                            help="seconds before one remote prefill is abandoned")
+
+
+def options_from_cli(args: argparse.Namespace) -> WorkerOptions:
+    return WorkerOptions(**{k: getattr(args, k) for k in WorkerOptions.__dataclass_fields__ if hasattr(args, k)})
+
+
+class WorkerBase:
+    role = "worker"
+
+    def __init__(self, engine: AsyncEngine, options: WorkerOptions | None = None):
+        self.engine = engine
+        self.options = options or WorkerOptions()
+        self.layout = KVLayout.of_engine(engine.engine, self.options.model_revision)
+        self.metrics = WorkerMetrics(engine)
+        self.load = LoadServicer(self.role, engine, self.layout, self.active_handoffs, self.options.load_interval_s)
+        self.server: grpc.aio.Server | None = None
+        self._metrics_server = None
+        self.port: int | None = None
+
+    def active_handoffs(self) -> int:
+        return 0
+
+    def add_services(self, server: grpc.aio.Server) -> None:
+        raise NotImplementedError
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        await self.engine.start()
+        # Room for a full chunk plus gRPC framing.
+        self.server = grpc.aio.server(options=server_options(self.options.max_message_bytes + 65536))
+        self.add_services(self.server)
+        load_pb2_grpc.add_LoadServiceServicer_to_server(self.load, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if not self.port:
+            raise OSError(f"cannot listen on {host}:{port}")
+        await self.server.start()
+        if self.options.metrics_port is not None:
+            self._metrics_server = self.metrics.serve(self.options.metrics_port, host)
+        return self.port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        self.load.draining = True
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        await self.engine.shutdown()
+
+
+async def serve_forever(worker_cls, args: argparse.Namespace) -> int:
+    engine = AsyncEngine(EngineArgs.from_cli(args))
+    worker = worker_cls(engine, options_from_cli(args))
+    port = await worker.start(args.host, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"kvrelay {worker.role} listening on {args.host}:{port} model={worker.layout.describe()}", flush=True)
+    await stop.wait()
+    await worker.stop(grace_s=5.0)
+    return 0

@@ -1,0 +1,20 @@
+"""`kvrelay prefill`: serve PrefillService (and the load stream) for decode workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from kvrelay.kvtransfer.worker_base import add_worker_args, serve_forever
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_worker_args(parser, "prefill")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvrelay.prefill.worker import PrefillWorker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve_forever(PrefillWorker, args))

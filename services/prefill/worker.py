@@ -1,0 +1,305 @@
+"""The prefill worker: computes a prompt's K/V, samples the first token, and streams both to the
+decode worker that asked (PrefillService.Prefill), holding the blocks under a lease meanwhile.
+
+Layer-wise streaming: for prompts of at least `stream_min_tokens`, a hook in the model's forward
+pass gathers each finished group of layers during the prompt's final step and queues it for
+sending, so early layers travel while later layers still compute. Whatever the hook did not
+send (short prompts, or layers after the last group) is gathered from the held blocks once the
+first token is out. Both gathers run on the engine thread, which owns the cache; the blocks are
+never written (they may be shared with the prefix cache), only read while held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+
+import grpc
+import torch
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.errors import EngineDeadError, InvalidRequestError
+from kvrelay.engine.sequence import Status
+from kvrelay.kvtransfer.convert import logprob_to_proto, params_from_proto
+from kvrelay.kvtransfer.errors import LayoutMismatchError
+from kvrelay.kvtransfer.layout import ChunkRange, KVLayout, check_layout, encode_chunk, plan_chunks
+from kvrelay.kvtransfer.leases import Lease, LeaseTable
+from kvrelay.kvtransfer.status import abort_with
+from kvrelay.kvtransfer.worker_base import WorkerBase, WorkerOptions
+from kvrelay.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class _Handoff:
+    lease: Lease
+    events: asyncio.Queue  # ("chunk", range, tensor) | ("done", out, seconds) | ("error", exc) | ack/abort/gone/...
+    loop: asyncio.AbstractEventLoop
+    num_blocks: int
+    max_message_bytes: int
+    sent_layers: int = 0  # layers already gathered (engine thread only)
+    bytes_sent: int = 0
+    bytes_before_compute_done: int = 0
+    done_sent: bool = False
+
+
+class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
+    role = "prefill"
+
+    def __init__(self, engine: AsyncEngine, options: WorkerOptions | None = None):
+        super().__init__(engine, options)
+        self.llm = engine.engine
+        self.leases = LeaseTable()
+        self._handoffs: dict[str, _Handoff] = {}  # lease id -> hand-off
+        self._streaming: dict[str, _Handoff] = {}  # lease id -> hand-off the layer hook serves
+        self._lock = threading.Lock()  # guards _streaming (loop thread writes, engine thread reads)
+        self._final: list[_Handoff] = []  # engine thread: hand-offs whose prompt completes this step
+        self.group = self.options.layer_group_size or max(1, -(-self.layout.num_layers // 4))
+        self.llm.model.layer_hook = self._on_layer
+        self._reaper: asyncio.Task | None = None
+
+    def add_services(self, server: grpc.aio.Server) -> None:
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self, server)
+
+    def active_handoffs(self) -> int:
+        return len(self.leases)
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        port = await super().start(host, port)
+        self._reaper = asyncio.create_task(self._reap())
+        return port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        await super().stop(grace_s)
+
+    # ---- RPCs ---------------------------------------------------------------------------------
+
+    async def Abort(self, request, context):
+        leases = self.leases.by_request(request.request_id)
+        for lease in leases:
+            self.metrics.aborts.labels("client").inc()
+            self._interrupt(self._handoffs[lease.lease_id], ("client_abort", request.reason or "aborted by client"))
+        return prefill_pb2.AbortReply(found=bool(leases))
+
+    async def Prefill(self, request_iterator, context):
+        it = request_iterator.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("kind") != "start":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a hand-off must begin with PrefillStart")
+        start = first.start
+        try:
+            check_layout(self.layout, KVLayout.from_proto(start.expected_layout), "decode worker's cache vs this "
+                                                                                    "prefill worker's")
+        except LayoutMismatchError as e:
+            self.metrics.failures.labels("layout_mismatch").inc()
+            await abort_with(context, e)
+        ids = list(start.prompt_token_ids)
+        params = dataclasses.replace(params_from_proto(start.params), n=1, max_tokens=1)
+        max_msg = min(self.options.max_message_bytes, start.max_message_bytes or self.options.max_message_bytes)
+        lease = Lease(lease_id=uuid.uuid4().hex, request_id=start.request_id, num_tokens=len(ids),
+                      task=asyncio.current_task())
+        h = _Handoff(lease, asyncio.Queue(), asyncio.get_running_loop(),
+                     num_blocks=-(-len(ids) // self.layout.block_size), max_message_bytes=max_msg)
+        self.leases.add(lease)
+        self._handoffs[lease.lease_id] = h
+        reader = asyncio.create_task(self._read_decode_side(it, h))
+        compute: asyncio.Task | None = None
+        reason = "stream_broken"
+        try:
+            await context.write(kv_pb2.PrefillServerMessage(header=kv_pb2.HandoffHeader(
+                lease_id=lease.lease_id, layout=self.layout.to_proto(), num_tokens=len(ids),
+                num_blocks=h.num_blocks, lease_seconds=self.options.lease_seconds)))
+            if len(ids) >= self.options.stream_min_tokens:
+                with self._lock:
+                    self._streaming[lease.lease_id] = h
+            compute = asyncio.create_task(self._compute(h, ids, params, start.priority))
+            reason = await self._send_loop(h, context)
+        except asyncio.CancelledError:
+            reason = lease.release_reason or "stream_broken"
+            raise
+        finally:
+            reader.cancel()
+            if compute is not None and not compute.done():
+                compute.cancel()
+                await asyncio.gather(compute, return_exceptions=True)
+            await asyncio.shield(self._release(h, lease.release_reason or reason))
+
+    # ---- hand-off steps -----------------------------------------------------------------------
+
+    async def _send_loop(self, h: _Handoff, context) -> str:
+        """Forward chunks and the first token to the decode worker; returns why the hand-off ended."""
+        lease = h.lease
+        while True:
+            ev = await h.events.get()
+            kind = ev[0]
+            if kind == "chunk":
+                _, r, t = ev
+                msg = encode_chunk(self.layout.to_proto(), r, lease.num_tokens, t)
+                await context.write(kv_pb2.PrefillServerMessage(chunk=msg))
+                h.bytes_sent += len(msg.data)
+                if not lease.compute_done:
+                    h.bytes_before_compute_done += len(msg.data)
+                lease.renew(self.options.lease_seconds)
+                if self.options.debug_chunk_delay_s:
+                    await asyncio.sleep(self.options.debug_chunk_delay_s)
+            elif kind == "done":
+                _, out, seconds = ev
+                done = kv_pb2.PrefillDone(
+                    first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
+                    total_bytes=h.bytes_sent, bytes_before_compute_done=h.bytes_before_compute_done,
+                    prefill_seconds=seconds, has_logprob=bool(out.logprobs))
+                if out.logprobs:
+                    done.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
+                await context.write(kv_pb2.PrefillServerMessage(done=done))
+                h.done_sent = True
+                lease.renew(self.options.lease_seconds)
+            elif kind == "ack":
+                if not h.done_sent:
+                    raise_reason = "ack before the hand-off completed"
+                    await context.write(kv_pb2.PrefillServerMessage(aborted=kv_pb2.PrefillAborted(reason=raise_reason)))
+                    return "protocol_error"
+                return "ack"
+            elif kind == "abort":
+                self.metrics.aborts.labels("decode").inc()
+                return "decode_abort"
+            elif kind == "gone":
+                return "stream_broken"
+            elif kind in ("client_abort", "lease_expired", "shutdown"):
+                lease.release_reason = kind
+                await context.write(kv_pb2.PrefillServerMessage(aborted=kv_pb2.PrefillAborted(reason=ev[1])))
+                return kind
+            elif kind == "error":
+                exc = ev[1]
+                if isinstance(exc, InvalidRequestError):
+                    await abort_with(context, exc)
+                reason = f"prefill failed: {exc}"
+                await context.write(kv_pb2.PrefillServerMessage(aborted=kv_pb2.PrefillAborted(reason=reason)))
+                return "error"
+
+    async def _compute(self, h: _Handoff, ids: list[int], params, priority: int) -> None:
+        lease = h.lease
+        t0 = time.monotonic()
+        try:
+            out = None
+            async for out in self.engine.generate(ids, params, lease.lease_id, priority, hold_blocks=True):
+                pass
+            lease.compute_done = True
+            lease.renew(self.options.lease_seconds)
+            with self._lock:
+                self._streaming.pop(lease.lease_id, None)
+            for r, t in await self.engine.call_in_engine_thread(lambda llm: self._gather_rest(h)):
+                h.events.put_nowait(("chunk", r, t))
+            h.events.put_nowait(("done", out, time.monotonic() - t0))
+        except asyncio.CancelledError:
+            raise
+        except (InvalidRequestError, EngineDeadError, Exception) as e:  # noqa: BLE001 - reported to the decode side
+            log.warning("prefill of %s failed: %s", lease.request_id, e)
+            h.events.put_nowait(("error", e))
+
+    async def _read_decode_side(self, it, h: _Handoff) -> None:
+        with contextlib.suppress(Exception):  # a broken stream is reported as "gone"
+            async for msg in it:
+                kind = msg.WhichOneof("kind")
+                if kind == "ack":
+                    h.events.put_nowait(("ack",))
+                elif kind == "abort":
+                    h.events.put_nowait(("abort", msg.abort.reason))
+                    return
+        h.events.put_nowait(("gone",))
+
+    def _interrupt(self, h: _Handoff, event: tuple) -> None:
+        """Ask the hand-off to end with an explicit message to the decode side; if it is stuck
+        writing to a decode worker that stopped reading, cancel it after a second."""
+        h.events.put_nowait(event)
+        task = h.lease.task
+        if task is not None:
+            h.loop.call_later(1.0, lambda: task.done() or task.cancel())
+
+    async def _release(self, h: _Handoff, reason: str) -> None:
+        lease = h.lease
+        if lease.released:
+            return
+        lease.released = True
+        lease.release_reason = reason
+        with self._lock:
+            self._streaming.pop(lease.lease_id, None)
+        try:
+            await self.engine.call_in_engine_thread(lambda llm: llm.release(lease.lease_id))
+        finally:
+            self.leases.remove(lease)
+            self._handoffs.pop(lease.lease_id, None)
+            self.metrics.kv_handoffs.labels(reason).inc()
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            for lease in self.leases.expired():
+                h = self._handoffs.get(lease.lease_id)
+                if h is None or lease.release_reason == "lease_expired":
+                    continue
+                log.warning("lease of %s expired after %.1f s without an ack: freeing its blocks",
+                            lease.request_id, self.options.lease_seconds)
+                lease.release_reason = "lease_expired"
+                self.metrics.lease_expiries.inc()
+                reason = f"lease expired ({self.options.lease_seconds:.1f} s without progress or ack)"
+                self._interrupt(h, ("lease_expired", reason))
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def _gather(self, h: _Handoff, block_table: list[int], lo: int, hi: int) -> list[tuple[ChunkRange, torch.Tensor]]:
+        ids = torch.tensor(block_table, dtype=torch.long, device=self.llm.device)
+        out = []
+        for r in plan_chunks(self.layout, lo, hi, h.num_blocks, h.max_message_bytes):
+            t = self.llm.ops.gather_blocks(self.llm.kv_cache, ids[r.block_start:r.block_end], r.layer_start,
+                                           r.layer_end)
+            out.append((r, t.cpu()))
+        h.sent_layers = hi
+        return out
+
+    def _gather_rest(self, h: _Handoff) -> list[tuple[ChunkRange, torch.Tensor]]:
+        """After the first token: the layers the hook did not send, from the held blocks."""
+        if h.lease.released or h.sent_layers >= self.layout.num_layers:
+            return []
+        return self._gather(h, self.llm.held_blocks(h.lease.lease_id), h.sent_layers, self.layout.num_layers)
+
+    def _on_layer(self, layer_idx: int, batch) -> None:
+        """Model hook: layer layer_idx just wrote its K/V for this step."""
+        if layer_idx == 0:
+            with self._lock:
+                candidates = list(self._streaming.values())
+            self._final = [h for h in candidates if self._completes_prompt(h, batch)]
+        if not self._final:
+            return
+        hi = layer_idx + 1
+        for h in self._final:
+            if h.lease.released or hi - h.sent_layers < self.group and hi < self.layout.num_layers:
+                continue
+            (seq,) = self.llm.requests[h.lease.lease_id]
+            for r, t in self._gather(h, seq.block_table, h.sent_layers, hi):
+                h.loop.call_soon_threadsafe(h.events.put_nowait, ("chunk", r, t))
+
+    def _completes_prompt(self, h: _Handoff, batch) -> bool:
+        """Whether this step computes the last prompt tokens of h's sequence."""
+        seqs = self.llm.requests.get(h.lease.lease_id)
+        if not seqs:
+            return False
+        seq = seqs[0]
+        if seq.status is not Status.RUNNING or seq.num_computed >= seq.prompt_len:
+            return False
+        n = len(seq.block_table)
+        for tables, lens in ((batch.prefill_block_tables, batch.prefill_seq_lens),
+                             (batch.decode_block_tables, batch.decode_seq_lens)):
+            for row, length in enumerate(lens.tolist()):
+                if length == seq.prompt_len and tables[row, :n].tolist() == seq.block_table:
+                    return True
+        return False
