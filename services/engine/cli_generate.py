@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (prompt i uses seed + i)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt, with token ids")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt, with token ids"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,9 @@ CONTEXT_TOKENS = 6  # prompt tokens used as left context for the first generated
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special: bool = True):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special: bool = True
+    ):
         self.tokenizer = tokenizer
         self.skip_special = skip_special
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])

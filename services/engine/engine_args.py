@@ -43,15 +43,25 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         d = EngineArgs()
-        parser.add_argument("--model", default=d.model, help="Hugging Face model folder (default: bundled stories260K)")
-        parser.add_argument("--served-model-name", default=None, help="model id clients use (default: folder name)")
+        parser.add_argument(
+            "--model", default=d.model, help="Hugging Face model folder (default: bundled stories260K)"
+        )
+        parser.add_argument(
+            "--served-model-name", default=None, help="model id clients use (default: folder name)"
+        )
         parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
         parser.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
         parser.add_argument("--quantization", default=None, choices=["int8"])
         parser.add_argument("--block-size", type=int, default=d.block_size)
-        parser.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
-                            help="memory for the paged KV cache, e.g. 512MiB")
-        parser.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
+        parser.add_argument(
+            "--kv-cache-memory",
+            type=parse_bytes,
+            default=d.kv_cache_memory,
+            help="memory for the paged KV cache, e.g. 512MiB",
+        )
+        parser.add_argument(
+            "--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)"
+        )
         parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
         parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
         parser.add_argument("--max-model-len", type=int, default=None)
@@ -59,7 +69,9 @@ class EngineArgs:
         parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         parser.add_argument("--kernel-backend", default=d.kernel_backend, choices=["auto", "torch", "triton"])
         parser.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
-        parser.add_argument("--dummy-seed", type=int, default=d.dummy_seed, help="seed of --load-format dummy weights")
+        parser.add_argument(
+            "--dummy-seed", type=int, default=d.dummy_seed, help="seed of --load-format dummy weights"
+        )
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:

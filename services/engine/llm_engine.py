@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from kvrelay.engine.block_pool import BlockPool
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.engine_args import EngineArgs
@@ -94,11 +93,14 @@ class LLMEngine:
                 f"sequence of max_model_len {self.max_model_len}: raise --kv-cache-memory or lower --max-model-len"
             )
         self.kv_cache = torch.zeros(
-            (cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim), dtype=self.dtype, device=self.device
+            (cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim),
+            dtype=self.dtype,
+            device=self.device,
         )
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs), self.pool
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs),
+            self.pool,
         )
         self.eos_ids = _as_id_set(self.generation_config.get("eos_token_id"))
         if self.tokenizer.eos_token_id is not None:
@@ -126,11 +128,15 @@ class LLMEngine:
                 raise InvalidRequestError("prompt: must not be empty", field="prompt")
             return self.tokenizer.encode_prompt(prompt)
         if not isinstance(prompt, list) or not prompt:
-            raise InvalidRequestError("prompt: must be a non-empty string or list of token ids", field="prompt")
+            raise InvalidRequestError(
+                "prompt: must be a non-empty string or list of token ids", field="prompt"
+            )
         vocab = self.config.vocab_size
         for t in prompt:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequestError(f"prompt: token id {t!r} is not an integer in [0, {vocab})", field="prompt")
+                raise InvalidRequestError(
+                    f"prompt: token id {t!r} is not an integer in [0, {vocab})", field="prompt"
+                )
         return list(prompt)
 
     def make_request(
@@ -155,13 +161,16 @@ class LLMEngine:
         if len(ids) >= limit:
             raise PromptTooLongError(
                 f"prompt: {len(ids)} tokens, but the context holds {limit} tokens including at least one to "
-                f"generate", num_tokens=len(ids), limit=limit - 1,
+                f"generate",
+                num_tokens=len(ids),
+                limit=limit - 1,
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
         if len(ids) + max_tokens > limit:
             raise InvalidRequestError(
                 f"max_tokens: {max_tokens} new tokens plus {len(ids)} prompt tokens exceed the context of "
-                f"{limit} tokens; ask for at most {limit - len(ids)}", field="max_tokens",
+                f"{limit} tokens; ask for at most {limit - len(ids)}",
+                field="max_tokens",
             )
         now = time.monotonic()
         seqs = []
@@ -296,7 +305,9 @@ class LLMEngine:
         if not sample_idx:
             return []
         to_sample = [step.seqs[i] for i in sample_idx]
-        stop_sets = [set() if s.params.ignore_eos else self.eos_ids | set(s.params.stop_token_ids) for s in to_sample]
+        stop_sets = [
+            set() if s.params.ignore_eos else self.eos_ids | set(s.params.stop_token_ids) for s in to_sample
+        ]
         tokens, logprobs = sample(logits, to_sample, stop_sets)
         now = time.monotonic()
         outputs = []
@@ -323,7 +334,9 @@ class LLMEngine:
             seq.metrics.finished_time = now
             if all(s.finished for s in self.requests.get(seq.request_id, [])) and not seq.hold_blocks:
                 self.requests.pop(seq.request_id, None)
-        return self._output(seq, [token], seq.detok.take(final=reason is not None), [logprob] if logprob else None)
+        return self._output(
+            seq, [token], seq.detok.take(final=reason is not None), [logprob] if logprob else None
+        )
 
     # ---- prefill/decode hand-off ------------------------------------------------------------
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from kvrelay.engine.errors import ModelLoadError
 
 # Architecture -> (qkv bias by default, q/k RMSNorm).
@@ -97,10 +96,16 @@ def model_config_from_dict(raw: dict, source: str = "config.json") -> ModelConfi
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in ROPE_TYPES:
-        raise ModelLoadError(f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        raise ModelLoadError(
+            f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+        )
     rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    if rope_type in ("linear", "llama3") and not (isinstance(rope.get("factor"), (int, float)) and rope["factor"] > 0):
-        raise ModelLoadError(f"{source}: rope type {rope_type!r} needs a positive 'factor', got {rope.get('factor')!r}")
+    if rope_type in ("linear", "llama3") and not (
+        isinstance(rope.get("factor"), (int, float)) and rope["factor"] > 0
+    ):
+        raise ModelLoadError(
+            f"{source}: rope type {rope_type!r} needs a positive 'factor', got {rope.get('factor')!r}"
+        )
 
     default_bias, qk_norm = ARCHITECTURES[arch]
     sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None

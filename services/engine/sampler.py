@@ -7,7 +7,6 @@ depend on which other sequences share the batch.
 from __future__ import annotations
 
 import torch
-
 from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sequence import Sequence
 
@@ -21,7 +20,9 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and seq.num_generated:
-        counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.int64), minlength=vocab)[:vocab].float()
+        counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.int64), minlength=vocab)[
+            :vocab
+        ].float()
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
 

@@ -50,7 +50,14 @@ class SamplingParams:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             finite(name, getattr(self, name))
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
@@ -76,5 +83,7 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"token ids must be < vocab size {vocab_size}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

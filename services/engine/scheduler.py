@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from kvrelay.engine.block_pool import BlockPool, hash_block, ROOT_HASH
+from kvrelay.engine.block_pool import ROOT_HASH, BlockPool, hash_block
 from kvrelay.engine.sequence import Sequence, Status
 
 
@@ -109,6 +109,13 @@ class Scheduler:
         self.add(seq)
         return refund
 
+    def _lower_priority_victim(self, seq: Sequence) -> Sequence | None:
+        """Priority policy: the worst running sequence of strictly lower priority than seq."""
+        if self.config.policy != "priority":
+            return None
+        victims = [r for r in self.running if r.priority < seq.priority]
+        return max(victims, key=self._key) if victims else None
+
     def schedule(self) -> ScheduledStep:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}
@@ -133,20 +140,24 @@ class Scheduler:
         # Admit waiting sequences, unless this step already had to preempt.
         i = 0
         while not preempted and i < len(self.waiting) and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
             seq = self.waiting[i]
             if seq.blocked():
                 i += 1
+                continue
+            if len(self.running) >= self.config.max_num_seqs:
+                victim = self._lower_priority_victim(seq)
+                if victim is None:
+                    break
+                budget += self._preempt(victim, scheduled)
+                i = self.waiting.index(seq)
                 continue
             if not seq.block_table:
                 self._take_cached_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             if not self._try_allocate(seq, num_new):
-                # Priority policy: evict strictly lower-priority running work for this one.
-                victims = [r for r in self.running if r.priority < seq.priority]
-                if self.config.policy == "priority" and victims:
-                    budget += self._preempt(min(victims, key=lambda r: (r.priority, -r.seq_id)), scheduled)
+                victim = self._lower_priority_victim(seq)
+                if victim is not None:
+                    budget += self._preempt(victim, scheduled)
                     i = self.waiting.index(seq)
                     continue
                 self.free_blocks(seq)  # give back the prefix-cache references taken above

@@ -6,7 +6,6 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
-
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.outputs import RequestMetrics, TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams

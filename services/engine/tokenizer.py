@@ -7,9 +7,8 @@ from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer as HFTokenizer
-
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError
+from tokenizers import Tokenizer as HFTokenizer
 
 # Used when the model ships no chat template (the bundled stories model has none).
 FALLBACK_CHAT_TEMPLATE = (
@@ -48,7 +47,9 @@ class Tokenizer:
         self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+            template = next(
+                (t["template"] for t in template if t.get("name") == "default"), template[0]["template"]
+            )
         chat_file = model_dir / "chat_template.jinja"
         if template is None and chat_file.is_file():
             template = chat_file.read_text()
@@ -87,4 +88,6 @@ class Tokenizer:
                 **kwargs,
             )
         except jinja2.TemplateError as e:
-            raise InvalidRequestError(f"messages: the chat template cannot render them: {e}", field="messages") from e
+            raise InvalidRequestError(
+                f"messages: the chat template cannot render them: {e}", field="messages"
+            ) from e

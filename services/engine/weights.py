@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from kvrelay.engine.errors import ModelLoadError
 from kvrelay.engine.model_config import ModelConfig
+from safetensors import safe_open
 
 
 @dataclass
@@ -90,7 +89,7 @@ def _shard_files(model_dir: Path) -> dict[str, Path]:
     files: dict[str, Path] = {}
     for f in singles:
         with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
+            for name in st.keys():  # noqa: SIM118 - safe_open is not iterable
                 files[name] = f
     return files
 
@@ -138,7 +137,7 @@ def dummy_tensors(config: ModelConfig, dtype: torch.dtype, seed: int = 0) -> dic
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in expected_shapes(config).items():
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        if name.endswith(("norm.weight", "layernorm.weight")):
             out[name] = torch.ones(shape, dtype=dtype)
         elif name.endswith(".bias"):
             out[name] = torch.zeros(shape, dtype=dtype)
@@ -159,7 +158,8 @@ def assemble(config: ModelConfig, t: dict[str, torch.Tensor]) -> ModelWeights:
             LayerWeights(
                 input_norm=t[p + "input_layernorm.weight"],
                 qkv=Linear(
-                    torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]]), qkv_bias
+                    torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]]),
+                    qkv_bias,
                 ),
                 q_norm=t.get(a + "q_norm.weight"),
                 k_norm=t.get(a + "k_norm.weight"),

@@ -23,20 +23,20 @@ def save_tiny_model(path: Path, arch: str, **overrides) -> Path:
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
     }[arch]
-    kwargs = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+    kwargs = {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
         # Large init so logits are peaked and greedy choices are not near-ties.
-        initializer_range=1.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
+        "initializer_range": 1.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    }
     if arch == "qwen3":
         kwargs["head_dim"] = 32
     kwargs.update(overrides)

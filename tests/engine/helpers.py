@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
-
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.engine.sampling_params import SamplingParams
@@ -38,14 +37,14 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hf_model(model_dir: str):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-@lru_cache(maxsize=None)
+@cache
 def hf_greedy(model_dir: str, prompt_ids: tuple[int, ...], n: int) -> list[int]:
     model = _hf_model(model_dir)
     with torch.no_grad():

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.tokenizer import Tokenizer
+
 from kvrelay.models import BUNDLED_MODEL
 
 TEXTS = [

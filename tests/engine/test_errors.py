@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from helpers import make_engine
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from kvrelay.engine.sampling_params import SamplingParams
+from safetensors.torch import load_file, save_file
+
 from kvrelay.models import BUNDLED_MODEL
 
 
@@ -23,22 +23,22 @@ def engine():
 @pytest.mark.parametrize(
     "params, field",
     [
-        (dict(temperature=-0.5), "temperature"),
-        (dict(temperature=float("nan")), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-3), "top_k"),
-        (dict(min_p=2.0), "min_p"),
-        (dict(max_tokens=0), "max_tokens"),
-        (dict(max_tokens=10_000), "max_tokens"),
-        (dict(n=0), "n"),
-        (dict(presence_penalty=5.0), "presence_penalty"),
-        (dict(frequency_penalty=-9.0), "frequency_penalty"),
-        (dict(repetition_penalty=0.0), "repetition_penalty"),
-        (dict(logprobs=50), "logprobs"),
-        (dict(stop=[""]), "stop"),
-        (dict(stop_token_ids=[100_000]), "stop_token_ids"),
-        (dict(seed="abc"), "seed"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 10_000}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 5.0}, "presence_penalty"),
+        ({"frequency_penalty": -9.0}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [100_000]}, "stop_token_ids"),
+        ({"seed": "abc"}, "seed"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(engine, params, field):
@@ -129,7 +129,10 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path):
     tensors = load_file(d / "model.safetensors")
     names = sorted(tensors)
     half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     for fname, keys in shards.items():
         save_file({k: tensors[k] for k in keys}, d / fname)
     (d / "model.safetensors").unlink()
@@ -158,8 +161,13 @@ def test_dummy_load_format_needs_only_config_and_tokenizer(tmp_path):
 def test_half_dtypes_run_and_mostly_agree_with_fp32(dtype):
     from helpers import run_engine
 
-    ref = run_engine(make_engine(BUNDLED_MODEL), {"x": ("Once upon a time", SamplingParams(max_tokens=8, temperature=0))})
-    out = run_engine(make_engine(BUNDLED_MODEL, dtype=dtype), {"x": ("Once upon a time", SamplingParams(max_tokens=8, temperature=0))})
+    ref = run_engine(
+        make_engine(BUNDLED_MODEL), {"x": ("Once upon a time", SamplingParams(max_tokens=8, temperature=0))}
+    )
+    out = run_engine(
+        make_engine(BUNDLED_MODEL, dtype=dtype),
+        {"x": ("Once upon a time", SamplingParams(max_tokens=8, temperature=0))},
+    )
     assert out["x"][:3] == ref["x"][:3]
 
 

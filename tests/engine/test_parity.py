@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import PROMPTS, greedy, hf_greedy, hf_logprobs, make_engine, run_engine
 from kvrelay.engine.sampling_params import SamplingParams
+
 from kvrelay.models import BUNDLED_MODEL
 
 STORY = (
@@ -37,7 +37,9 @@ def test_stories260k_greedy_matches_transformers_and_llama2c_sample():
     assert "Once upon a time" + text == STORY
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama_linear_rope", "llama3_rope_tied", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "llama_linear_rope", "llama3_rope_tied", "mistral", "qwen2", "qwen3"]
+)
 def test_tiny_architectures_greedy_match_transformers(tiny_models, arch):
     _check_parity(tiny_models[arch], PROMPTS, 48)
 

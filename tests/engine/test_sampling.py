@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from helpers import PROMPTS, make_engine, run_engine
 from kvrelay.engine.sampling_params import SamplingParams
+
 from kvrelay.models import BUNDLED_MODEL
 
 
@@ -48,9 +49,18 @@ def test_penalties_change_the_output_and_reduce_repeats():
         engine,
         {
             "plain": ("Once upon a time", base),
-            "freq": ("Once upon a time", SamplingParams(max_tokens=60, temperature=0.0, frequency_penalty=2.0)),
-            "rep": ("Once upon a time", SamplingParams(max_tokens=60, temperature=0.0, repetition_penalty=2.0)),
-            "pres": ("Once upon a time", SamplingParams(max_tokens=60, temperature=0.0, presence_penalty=2.0)),
+            "freq": (
+                "Once upon a time",
+                SamplingParams(max_tokens=60, temperature=0.0, frequency_penalty=2.0),
+            ),
+            "rep": (
+                "Once upon a time",
+                SamplingParams(max_tokens=60, temperature=0.0, repetition_penalty=2.0),
+            ),
+            "pres": (
+                "Once upon a time",
+                SamplingParams(max_tokens=60, temperature=0.0, presence_penalty=2.0),
+            ),
         },
     )
 
@@ -72,11 +82,15 @@ def _collect(engine, prompt, params, rid="r"):
 
 def test_stop_string_across_token_boundaries_is_never_emitted():
     engine = make_engine(BUNDLED_MODEL)
-    full = "".join(o.text for o in _collect(engine, "Once upon a time", SamplingParams(max_tokens=40, temperature=0)))
+    full = "".join(
+        o.text for o in _collect(engine, "Once upon a time", SamplingParams(max_tokens=40, temperature=0))
+    )
     # "girl named" spans the tokens "▁girl" and "▁named" (and the space between them).
     stop = "rl nam"
     assert stop in full
-    outs = _collect(engine, "Once upon a time", SamplingParams(max_tokens=40, temperature=0, stop=[stop]), "s")
+    outs = _collect(
+        engine, "Once upon a time", SamplingParams(max_tokens=40, temperature=0, stop=[stop]), "s"
+    )
     text = "".join(o.text for o in outs)
     assert text == full[: full.index(stop)]
     assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
@@ -86,8 +100,14 @@ def test_stop_string_across_token_boundaries_is_never_emitted():
 
 def test_stop_token_ids_and_max_tokens_finish_reasons():
     engine = make_engine(BUNDLED_MODEL)
-    ids = [i for o in _collect(engine, "Lily", SamplingParams(max_tokens=20, temperature=0)) for i in o.new_token_ids]
-    outs = _collect(engine, "Lily", SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[ids[5]]), "t")
+    ids = [
+        i
+        for o in _collect(engine, "Lily", SamplingParams(max_tokens=20, temperature=0))
+        for i in o.new_token_ids
+    ]
+    outs = _collect(
+        engine, "Lily", SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[ids[5]]), "t"
+    )
     assert [i for o in outs for i in o.new_token_ids] == ids[: ids.index(ids[5]) + 1]
     assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == ids[5]
     outs = _collect(engine, "Lily", SamplingParams(max_tokens=7, temperature=0), "u")

@@ -1,0 +1,49 @@
+"""`kvrelay generate` from the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+STORY_START = "Once upon a time, there was a little girl named Lily."
+
+
+def kvrelay(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvrelay.cli", *args], check=False, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_generate_prints_completions_of_several_prompts():
+    out = kvrelay("generate", "--max-tokens", "12", "Once upon a time", "Lily liked")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith(STORY_START) and lines[1].startswith("Lily liked")
+
+
+def test_generate_json_with_seed_is_reproducible():
+    args = (
+        "generate",
+        "--json",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "5",
+        "--max-tokens",
+        "8",
+        "The dog",
+        "A cat",
+    )
+    first, second = kvrelay(*args), kvrelay(*args)
+    assert first.returncode == 0, first.stderr
+    rows = [json.loads(line) for line in first.stdout.splitlines()]
+    assert [len(r["token_ids"]) for r in rows] == [8, 8]
+    assert first.stdout == second.stdout
+
+
+def test_generate_bad_input_exits_2_with_a_clear_message():
+    out = kvrelay("generate", "--max-tokens", "5000", "x")
+    assert out.returncode == 2 and "max_tokens" in out.stderr
+    out = kvrelay("generate", "--model", "/nonexistent", "x")
+    assert out.returncode == 2 and "/nonexistent" in out.stderr
