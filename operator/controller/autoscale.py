@@ -75,6 +75,10 @@ class Stabilizer:
     history: list[tuple[float, int]] = field(default_factory=list)
 
     def stabilize(self, now: float, recommendation: int, current: int, up_window: float, down_window: float) -> int:
+        if not self.history:
+            # A fresh autoscaler (new resource, restarted operator) has seen no load yet: count the
+            # current replicas as the previous recommendation, so it waits a full window too.
+            self.history.append((now - 1e-6, current))
         self.history.append((now, recommendation))
         horizon = max(up_window, down_window)
         self.history = [(t, r) for t, r in self.history if now - t <= horizon]
@@ -109,8 +113,9 @@ def decide(
         if kv_recommendation > recommendation:
             recommendation, reason = kv_recommendation, "KVCacheUsage"
     bounded = min(max(recommendation, role_spec.min_replicas), role_spec.max_replicas)
-    if bounded == 0 and signals.busy_floor(role) and role_spec.max_replicas > 0:
-        bounded, reason = 1, "PipelineBusy"  # never strand a request on a scaled-to-zero role
+    floored = bounded == 0 and signals.busy_floor(role) and role_spec.max_replicas > 0
+    if floored:
+        bounded = 1  # never strand a request on a scaled-to-zero role
     stabilized = stabilizer.stabilize(
         now, bounded, current, scaling.scale_up_stabilization_seconds, scaling.scale_down_stabilization_seconds
     )
@@ -119,17 +124,23 @@ def decide(
     desired = min(max(desired, role_spec.min_replicas), role_spec.max_replicas)
     if desired == current:
         if bounded != current:
-            reason = "StabilizationWindow"
-        elif recommendation == current or bounded == recommendation:
-            reason = "WithinTolerance" if current > 0 or load > 0 else "Idle"
-        else:
+            reason = "StabilizationWindow"  # a change is wanted but the window does not agree yet
+        elif floored:
+            reason = "PipelineBusy"
+        elif recommendation != bounded:
             reason = "AtBound"
+        elif current == 0 and load == 0:
+            reason = "Idle"
+        else:
+            reason = "WithinTolerance"
     elif current == 0:
         reason = "WakeUp"
     elif desired == 0:
         reason = "ScaleToZero"
     elif desired != stabilized:
         reason = "StepLimited"
+    elif floored:
+        reason = "PipelineBusy"
     metric_value = load / current if current else load
     return Decision(role=role, current=current, desired=desired, recommendation=recommendation,
                     metric_value=metric_value, target=target, reason=reason, time=now)

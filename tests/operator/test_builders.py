@@ -1,0 +1,106 @@
+"""Children of an InferenceService as built for server-side apply."""
+
+from __future__ import annotations
+
+import pytest
+from kvrelay.operator import constants as c
+from kvrelay.operator.builders import Owner, build_children, check_name
+from kvrelay.operator.config import OperatorConfig
+from kvrelay.operator.spec import InvalidSpec, parse_spec
+
+OWNER = Owner(name="demo", namespace="team-a", uid="1234")
+CONFIG = OperatorConfig(image="kvrelay:1", default_redis_url="redis://kvrelay-redis.ops:6379/0")
+
+
+def children(spec: dict, live: dict | None = None, config: OperatorConfig = CONFIG) -> dict[tuple[str, str], dict]:
+    built = build_children(OWNER, parse_spec(spec, OWNER.name), config, live)
+    return {(obj["kind"], obj["metadata"]["name"]): obj for obj in built}
+
+
+def pod(objs, role):
+    return objs["Deployment", f"demo-{role}"]["spec"]["template"]["spec"]
+
+
+def test_one_configmap_three_services_three_deployments_all_owned():
+    objs = children({"model": {"uri": "/m"}})
+    assert sorted(objs) == sorted([("ConfigMap", "demo-config")] + [(k, f"demo-{r}") for r in c.ROLES
+                                                                     for k in ("Service", "Deployment")])
+    for obj in objs.values():
+        assert obj["metadata"]["namespace"] == "team-a"
+        assert obj["metadata"]["ownerReferences"] == [{"apiVersion": "kvrelay.dev/v1alpha1", "kind": "InferenceService",
+                                                        "name": "demo", "uid": "1234", "controller": True,
+                                                        "blockOwnerDeletion": True}]
+        assert obj["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+
+
+def test_worker_and_gateway_commands_follow_the_cli_contract():
+    objs = children({"model": {"uri": "/models/llama"}, "decode": {"args": ["--max-batch", "8"]}})
+    decode = pod(objs, "decode")["containers"][0]
+    assert decode["args"] == ["decode", "--model", "/models/llama", "--port", "50051", "--metrics-port", "9090",
+                              "--max-batch", "8"]
+    assert decode["image"] == "kvrelay:1"
+    gateway = pod(objs, "gateway")["containers"][0]
+    assert gateway["args"][:7] == ["gateway", "--prefill", "dns:///demo-prefill.team-a.svc.cluster.local:50051",
+                                   "--decode", "dns:///demo-decode.team-a.svc.cluster.local:50051", "--port", "8000"]
+    # No redis in the spec: the chart's bundled Redis.
+    assert gateway["args"][-2:] == ["--redis-url", "$(KVRELAY_REDIS_URL)"]
+    assert {"name": "KVRELAY_REDIS_URL", "value": "redis://kvrelay-redis.ops:6379/0"} in gateway["env"]
+    assert objs["Service", "demo-prefill"]["spec"]["clusterIP"] == "None"
+    assert objs["Service", "demo-gateway"]["spec"]["ports"][0]["port"] == 8000
+
+
+def test_redis_secret_and_tenants_secret_are_wired_into_the_gateway():
+    objs = children({"model": {"uri": "/m"}, "redis": {"secretRef": {"name": "r"}},
+                     "tenants": {"secretRef": {"name": "t", "key": "tenants.json"}}})
+    spec = pod(objs, "gateway")
+    container = spec["containers"][0]
+    assert {"name": "KVRELAY_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": "r", "key": "url"}}} in container["env"]
+    assert container["args"][container["args"].index("--tenants") + 1] == "/etc/kvrelay/tenants/tenants.json"
+    assert spec["volumes"] == [{"name": "tenants", "secret": {"secretName": "t"}}]
+
+
+def test_no_redis_anywhere_means_no_redis_flag():
+    objs = children({"model": {"uri": "/m"}}, config=OperatorConfig())
+    assert "--redis-url" not in pod(objs, "gateway")["containers"][0]["args"]
+
+
+def test_role_placement_and_resources_are_passed_through():
+    objs = children({"model": {"uri": "/m"}, "decode": {
+        "resources": {"limits": {"nvidia.com/gpu": 1}}, "nodeSelector": {"gpu": "h100"},
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "env": [{"name": "X", "value": "1"}], "image": "custom:2"}})
+    spec = pod(objs, "decode")
+    assert spec["nodeSelector"] == {"gpu": "h100"} and spec["tolerations"][0]["key"] == "gpu"
+    assert spec["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    assert spec["containers"][0]["image"] == "custom:2"
+    assert spec["containers"][0]["env"][-1] == {"name": "X", "value": "1"}
+
+
+def test_replicas_fixed_roles_follow_spec_autoscaled_roles_keep_live_count_within_bounds():
+    spec = {"model": {"uri": "/m"}, "prefill": {"replicas": 2, "minReplicas": 0, "maxReplicas": 5},
+            "gateway": {"replicas": 3, "minReplicas": 1, "maxReplicas": 3}}
+    fresh = children(spec)
+    assert fresh["Deployment", "demo-prefill"]["spec"]["replicas"] == 2
+    live = children(spec, {"prefill": 4, "gateway": 1, "decode": 7})
+    assert live["Deployment", "demo-prefill"]["spec"]["replicas"] == 4  # the autoscaler's value
+    assert live["Deployment", "demo-gateway"]["spec"]["replicas"] == 3  # gateway: always the spec
+    assert live["Deployment", "demo-decode"]["spec"]["replicas"] == 1  # decode fixed at 1..1
+    assert children(spec, {"prefill": 9})["Deployment", "demo-prefill"]["spec"]["replicas"] == 5
+
+
+def test_hash_ignores_replicas_but_tracks_content_and_settings_roll_pods():
+    spec = {"model": {"uri": "/m"}, "prefill": {"minReplicas": 0, "maxReplicas": 5}}
+    a = children(spec, {"prefill": 1})["Deployment", "demo-prefill"]
+    b = children(spec, {"prefill": 4})["Deployment", "demo-prefill"]
+    assert a["metadata"]["annotations"] == b["metadata"]["annotations"]
+    c2 = children(dict(spec, model={"uri": "/m", "dtype": "bfloat16"}), {"prefill": 1})["Deployment", "demo-prefill"]
+    assert c2["metadata"]["annotations"] != a["metadata"]["annotations"]
+    hash_key = c.ANNOTATION_CONFIG_HASH
+    assert (c2["spec"]["template"]["metadata"]["annotations"][hash_key]
+            != a["spec"]["template"]["metadata"]["annotations"][hash_key])
+
+
+def test_names_too_long_for_child_services_are_invalid():
+    check_name("a" * 55)
+    with pytest.raises(InvalidSpec, match="at most 55"):
+        check_name("a" * 56)
