@@ -27,8 +27,8 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     q_b_stride, q_h_stride, o_b_stride, o_h_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, bt_stride,
-    scale_log2, block_size, group, num_heads, tokens_per_split, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    scale_log2, group, num_heads, tokens_per_split, num_splits,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -55,11 +55,12 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        page = tl.load(table + n // block_size, mask=n_mask, other=0).to(tl.int64)
-        row = page * cache_block_stride + (n % block_size) * cache_slot_stride + kv_head * cache_head_stride
+        page = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = page * cache_block_stride + (n % BLOCK_SIZE) * cache_slot_stride + kv_head * cache_head_stride
         kv_offs = row[:, None] + d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # issued early: both tiles in flight
         if USE_DOT:
             if DOT_FP32:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -73,7 +74,6 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         if USE_DOT:
             if DOT_FP32:
                 # Round p as the GPU's 16-bit dot would, then multiply in fp32.
@@ -172,8 +172,8 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * math.log2(math.e), block_size, group, num_heads, tokens_per_split, num_splits,
-        HEAD_DIM=head_dim, BLOCK_G=pow2(group, 16 if use_dot else 1), BLOCK_N=block_n, BLOCK_D=block_d,
+        scale * math.log2(math.e), group, num_heads, tokens_per_split, num_splits,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=pow2(group, 16 if use_dot else 1), BLOCK_N=block_n, BLOCK_D=block_d,
         USE_DOT=use_dot, DOT_FP32=use_dot and dot_in_fp32(q.dtype), SPLIT=split,
         num_warps=4, num_stages=1 if interpreting() else 3,
     )

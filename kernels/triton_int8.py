@@ -78,8 +78,14 @@ def _int8_matmul_kernel(
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _matmul_config(m: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by token count: decode-sized M is tiny."""
+def _matmul_config(m: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by token count: decode-sized M is tiny.
+
+    fp32 activations take an exact (non-tf32) dot, which runs on FMA units and needs small tiles to
+    stay within registers (checked with ptxas for sm_90: no spills).
+    """
+    if dtype == torch.float32:
+        return (16, 32, 32, 4, 2) if m <= 16 else (32, 64, 32, 4, 2)
     if m <= 16:
         return 16, 64, 128, 4, 4
     if m <= 64:
@@ -100,7 +106,7 @@ def int8_matmul(
     out2 = out.view(-1, n)
     if m == 0 or n == 0:
         return out
-    bm, bn, bk, warps, stages = _matmul_config(m)
+    bm, bn, bk, warps, stages = _matmul_config(m, x.dtype)
     bk = min(bk, pow2(k, 16))
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _int8_matmul_kernel[grid](

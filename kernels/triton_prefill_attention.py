@@ -21,17 +21,18 @@ from kvrelay.kernels.triton_common import dot_in_fp32, interpreting, pow2
 @triton.jit
 def _attend_tile(
     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, n0, kv_end, q_pos, d,
-    cache_block_stride, cache_slot_stride, cache_head_stride, block_size, scale_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    cache_block_stride, cache_slot_stride, cache_head_stride, scale_log2,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < kv_end
-    page = tl.load(table + n // block_size, mask=n_mask, other=0).to(tl.int64)
-    row = page * cache_block_stride + (n % block_size) * cache_slot_stride + kv_head * cache_head_stride
+    page = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    row = page * cache_block_stride + (n % BLOCK_SIZE) * cache_slot_stride + kv_head * cache_head_stride
     kv_offs = row[:, None] + d[None, :]
     kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
     if USE_DOT:
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -50,7 +51,6 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
-    v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
     if USE_DOT:
         if DOT_FP32:
             p16 = p.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
@@ -67,11 +67,12 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
     q_tok_stride, q_head_stride, o_tok_stride, o_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, bt_stride,
-    scale_log2, block_size, num_seqs, group,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    scale_log2, num_seqs, group,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # Last tiles first: under the causal mask they carry the most keys, so the grid ends on light work.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // group
     # The sequence is the last b whose first tile id qsl[b] // BLOCK_M + b is <= tile.
@@ -111,14 +112,14 @@ def _prefill_kernel(
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, n0, kv_end, q_pos, d,
-            cache_block_stride, cache_slot_stride, cache_head_stride, block_size, scale_log2,
-            HEAD_DIM, BLOCK_N, USE_DOT, DOT_FP32, False,
+            cache_block_stride, cache_slot_stride, cache_head_stride, scale_log2,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_DOT, DOT_FP32, False,
         )
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, n0, kv_end, q_pos, d,
-            cache_block_stride, cache_slot_stride, cache_head_stride, block_size, scale_log2,
-            HEAD_DIM, BLOCK_N, USE_DOT, DOT_FP32, True,
+            cache_block_stride, cache_slot_stride, cache_head_stride, scale_log2,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_DOT, DOT_FP32, True,
         )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offs = (q_start + rows).to(tl.int64)[:, None] * o_tok_stride + head * o_head_stride + d[None, :]
@@ -131,7 +132,9 @@ def _tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]
         return 16, 16, 4, 1
     if interpreting():
         return 32, 32, 4, 1
-    if dtype == torch.float32 or head_dim > 128:
+    if dtype == torch.float32:
+        return 32, 64, 8, 2  # exact fp32 dot on FMA units: small tiles, no register spills on sm_90
+    if head_dim > 128:
         return 64, 32, 4, 2
     if head_dim <= 64:
         return 128, 64, 4, 3
@@ -171,8 +174,8 @@ def paged_prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * math.log2(math.e), block_size, num_seqs, num_heads // num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=pow2(head_dim),
+        scale * math.log2(math.e), num_seqs, num_heads // num_kv_heads,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=pow2(head_dim),
         USE_DOT=use_dot, DOT_FP32=use_dot and dot_in_fp32(q.dtype),
         num_warps=warps, num_stages=stages,
     )

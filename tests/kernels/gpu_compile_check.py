@@ -1,0 +1,134 @@
+"""Compile every Triton kernel for a real GPU target (default sm_90, H100/H200) on a machine without one.
+
+The interpreter accepts code a GPU compile rejects (tl.dot shapes, dtype mixes, loop-carried types);
+this runs the public wrappers with CPU tensors while a compile-only driver makes each launch stop after
+triton.compile has produced the cubin (ptxas ships with triton). Run as a script in a process
+without TRITON_INTERPRET; prints one line per compiled kernel variant and exits non-zero on any
+failure. `--ptxas-report` adds registers and spills per variant.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90
+
+
+class CompileOnlyDriver:
+    """Just enough of a Triton driver for JITFunction.run to pick a target and compile."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+
+def install(arch: int) -> list:
+    driver.set_active(CompileOnlyDriver(arch))
+    compiled = []
+    original = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kwargs, kernel))
+        return kernel
+
+    JITFunction.run = compile_only
+    return compiled
+
+
+def exercise(ops) -> None:
+    """Call each op with shapes that select every code path the GPU will see."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for head_dim, heads, kv_heads in ((8, 8, 4), (64, 8, 2), (128, 32, 8)):
+            kv = torch.zeros((2, 8, 16, kv_heads, head_dim), dtype=dtype)
+            tables = torch.zeros((3, 4), dtype=torch.int32)
+            lens = torch.ones(3, dtype=torch.int32)
+            q = torch.zeros((3, heads, head_dim), dtype=dtype)
+            for splits in (1, 4):
+                ops.paged_decode_attention(q, kv[0], kv[1], tables, lens, 0.1, num_splits=splits)
+            qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+            ops.paged_prefill_attention(q, kv[0], kv[1], tables, qsl, lens, 0.1)
+            ops.rotary_embedding(torch.zeros(3, dtype=torch.int64), q, q[:, :kv_heads], torch.zeros((4, head_dim)))
+            ops.write_kv(q[:, :kv_heads], q[:, :kv_heads], kv[0], kv[1], torch.zeros(3, dtype=torch.int64))
+        x = torch.zeros((5, 4096), dtype=dtype)
+        ops.rms_norm(x, torch.zeros(4096, dtype=dtype), 1e-5)
+        ops.fused_add_rms_norm(x, x, torch.zeros(4096, dtype=dtype), 1e-5)
+        ops.silu_and_mul(torch.zeros((5, 2 * 14336), dtype=dtype))
+        cache = torch.zeros((2, 2, 8, 16, 8, 128), dtype=dtype)
+        ids = torch.zeros(3, dtype=torch.int32)
+        ops.scatter_blocks(cache, ids, ops.gather_blocks(cache, ids, 0, 2), 0, 2)
+        w = torch.zeros((256, 512), dtype=dtype)
+        ops.quantize_int8(w)
+        wq, scale = torch.zeros((256, 512), dtype=torch.int8), torch.zeros(256)
+        for m in (1, 40, 300):
+            ops.int8_matmul(torch.zeros((m, 512), dtype=dtype), wq, scale, torch.zeros(256, dtype=dtype))
+
+
+def ptxas_report(ptx: str, arch: int) -> str:
+    """Registers and spills as ptxas reports them (the bundled ptxas that accepts triton's PTX)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        for ptxas in ("ptxas-blackwell", "ptxas"):
+            out = subprocess.run([str(bin_dir / ptxas), f"-arch=sm_{arch}a", "-v", str(src), "-o", str(src) + ".o"],
+                                 capture_output=True, text=True, check=False)
+            if out.returncode == 0:
+                lines = (out.stdout + out.stderr).splitlines()
+                return "; ".join(line.split(":", 1)[-1].strip() for line in lines if "egisters" in line or "spill" in line)
+    return "ptxas failed"
+
+
+def main() -> int:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    arch = int(args[0]) if args else 90
+    compiled = install(arch)
+    from kvrelay.kernels import triton_ops
+
+    exercise(triton_ops)
+    too_big = []
+    seen = set()
+    for name, kwargs, kernel in compiled:
+        consts = {k: v for k, v in kwargs.items() if k.isupper()}
+        key = (name, repr(sorted(consts.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        shared = kernel.metadata.shared
+        extra = f" | {ptxas_report(kernel.asm['ptx'], arch)}" if "--ptxas-report" in sys.argv else ""
+        print(f"{name:<24} shared={shared:>7} warps={kernel.metadata.num_warps} {consts}{extra}")
+        if shared > MAX_SHARED_BYTES:
+            too_big.append(name)
+        assert "cubin" in kernel.asm, name
+    print(f"compiled {len(seen)} kernel variants for sm_{arch}")
+    if too_big:
+        print(f"shared memory over {MAX_SHARED_BYTES} bytes: {too_big}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
