@@ -108,6 +108,10 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
                 yield decode_pb2.GenerateResponse(output=output_to_proto(out, req.num_cached_tokens))
         except (InvalidRequestError, HandoffError, NoFreeBlocksError, EngineDeadError) as e:
             await abort_with(context, e)
+        except asyncio.CancelledError:  # the client hung up
+            if not req.aborted:
+                self.metrics.aborts.labels("client").inc()
+            raise
         finally:
             self._requests.pop(rid, None)
 

@@ -90,9 +90,9 @@ class DecodeClient(_Client):
             settled = True
             raise error_from_rpc(e, self.addr) from None
         finally:
-            if not settled:
-                call.cancel()
+            if not settled:  # explicit abort first, so the worker frees at once, then drop the stream
                 await asyncio.shield(self._abort_quietly(request_id))
+                call.cancel()
 
     async def abort(self, request_id: str, reason: str = "client abort") -> bool:
         """True if the worker knew the request."""
@@ -105,7 +105,7 @@ class DecodeClient(_Client):
     async def _abort_quietly(self, request_id: str) -> None:
         try:
             await self._stub.Abort(prefill_pb2.AbortRequest(request_id=request_id, reason="client closed the stream"),
-                                   timeout=2)
+                                   timeout=1)
         except grpc.aio.AioRpcError:
             pass  # the worker is gone: nothing left to free there
 

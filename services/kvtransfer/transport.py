@@ -108,10 +108,13 @@ class GrpcKVTransport(KVTransport):
 
     async def pull(self, prefill_addr: str, request: HandoffRequest, dest: KVDestination) -> HandoffResult:
         call = self._stub(prefill_addr).Prefill()
+        # The exchange runs in its own task: cancelling a task blocked in call.read() would cancel
+        # the RPC before the explicit abort message could go out.
+        inner = asyncio.create_task(self._run(call, request, dest))
         done_ok = False
         try:
             async with asyncio.timeout(self.timeout_s):
-                result = await self._run(call, request, dest)
+                result = await asyncio.shield(inner)
             done_ok = True
             return result
         except grpc.aio.AioRpcError as e:
@@ -123,6 +126,8 @@ class GrpcKVTransport(KVTransport):
         finally:
             if not done_ok:
                 await asyncio.shield(_abort_call(call, "decode side gave up the hand-off"))
+                inner.cancel()
+                await asyncio.gather(inner, return_exceptions=True)
 
     async def _run(self, call, request: HandoffRequest, dest: KVDestination) -> HandoffResult:
         start = kv_pb2.PrefillStart(
@@ -176,11 +181,14 @@ async def _read(call):
 
 async def _abort_call(call, reason: str) -> None:
     """Explicit abort towards the prefill worker, then drop the stream (whatever state it is in)."""
-    # The stream may already be gone: then the cancel below is all there is to do.
+    # Give the prefill worker half a second to end the call itself after the abort message; the
+    # stream may already be gone, and then the cancel below is all there is to do.
     with contextlib.suppress(Exception, asyncio.CancelledError):
         if not call.done():
-            await asyncio.wait_for(
-                call.write(kv_pb2.PrefillClientMessage(abort=kv_pb2.PrefillAbort(reason=reason))), 0.5)
+            async with asyncio.timeout(0.5):
+                await call.write(kv_pb2.PrefillClientMessage(abort=kv_pb2.PrefillAbort(reason=reason)))
+                await call.done_writing()
+                await call.code()
     call.cancel()
 
 

@@ -170,7 +170,6 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                     return "protocol_error"
                 return "ack"
             elif kind == "abort":
-                self.metrics.aborts.labels("decode").inc()
                 return "decode_abort"
             elif kind == "gone":
                 return "stream_broken"
@@ -213,6 +212,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                 if kind == "ack":
                     h.events.put_nowait(("ack",))
                 elif kind == "abort":
+                    self.metrics.aborts.labels("decode").inc()
+                    h.lease.release_reason = h.lease.release_reason or "decode_abort"
                     h.events.put_nowait(("abort", msg.abort.reason))
                     return
         h.events.put_nowait(("gone",))

@@ -13,10 +13,10 @@ PROTO_DIR = ROOT / "protos" / "kvrelay" / "v1"
 
 # Lines that name the generator's version: a newer grpcio-tools may change them and nothing else.
 _VERSION_LINES = [
-    (re.compile(r"^# Protobuf Python Version: .*$", re.M), "# Protobuf Python Version: X"),
+    (re.compile(r"^# Protobuf Python Version: .*$", re.MULTILINE), "# Protobuf Python Version: X"),
     (re.compile(r"_runtime_version\.Domain\.PUBLIC,\s*\d+,\s*\d+,\s*\d+,\s*'[^']*',"),
      "_runtime_version.Domain.PUBLIC, X,"),
-    (re.compile(r"^GRPC_GENERATED_VERSION = '[^']*'$", re.M), "GRPC_GENERATED_VERSION = 'X'"),
+    (re.compile(r"^GRPC_GENERATED_VERSION = '[^']*'$", re.MULTILINE), "GRPC_GENERATED_VERSION = 'X'"),
 ]
 
 
