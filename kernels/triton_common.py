@@ -40,6 +40,11 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An index or side tensor moved next to the data and made contiguous (no-ops when it already is)."""
+    return t.to(device).contiguous()
+
+
 def rows_2d(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, last_dim] with a unit stride on the last dim (a view when possible)."""
     if x.stride(-1) != 1:

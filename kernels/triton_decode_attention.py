@@ -15,7 +15,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from kvrelay.kernels.triton_common import dot_in_fp32, interpreting, pow2, sm_count
+from kvrelay.kernels.triton_common import dot_in_fp32, interpreting, on_device, pow2, sm_count
 
 # A split covers at least this many tokens: shorter splits cost more in the reduction than they save.
 MIN_TOKENS_PER_SPLIT = 256
@@ -148,6 +148,7 @@ def paged_decode_attention(
         raise ValueError("K and V caches must share strides with a unit stride on head_dim")
     if q.stride(-1) != 1:
         q = q.contiguous()
+    block_tables, seq_lens = on_device(block_tables, q.device), on_device(seq_lens, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out

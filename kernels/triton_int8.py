@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from kvrelay.kernels.triton_common import dot_in_fp32, pow2, rows_2d
+from kvrelay.kernels.triton_common import dot_in_fp32, on_device, pow2, rows_2d
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def int8_matmul(
     bk = min(bk, pow2(k, 16))
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _int8_matmul_kernel[grid](
-        x2, w, scale, bias if bias is not None else scale, out2,
+        x2, w, on_device(scale, x.device), on_device(bias, x.device) if bias is not None else scale, out2,
         m, n, k, x2.stride(0), w.stride(0), out2.stride(0),
         HAS_BIAS=bias is not None, DOT_FP32=dot_in_fp32(x.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from kvrelay.kernels.triton_common import pow2
+from kvrelay.kernels.triton_common import on_device, pow2
 
 
 @triton.jit
@@ -52,6 +52,7 @@ def write_kv(
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    slot_mapping = on_device(slot_mapping, k_cache.device)
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -98,6 +99,7 @@ def _check_cache(kv_cache: torch.Tensor) -> int:
 
 def _launch_copy(kv_cache, buffer, block_ids, layer_start, layer_end, gather: bool) -> None:
     chunk = _check_cache(kv_cache)
+    block_ids = on_device(block_ids, kv_cache.device)
     num_ids = block_ids.numel()
     num_layers = layer_end - layer_start
     if num_ids == 0 or num_layers <= 0:
@@ -128,4 +130,5 @@ def scatter_blocks(
     expected = (layer_end - layer_start, 2, block_ids.numel(), *kv_cache.shape[3:])
     if tuple(buffer.shape) != expected:
         raise ValueError(f"buffer shape {tuple(buffer.shape)} does not match {expected}")
-    _launch_copy(kv_cache, buffer.contiguous(), block_ids, layer_start, layer_end, gather=False)
+    # The buffer may arrive on the host (received from another worker): bring it to the cache.
+    _launch_copy(kv_cache, on_device(buffer, kv_cache.device), block_ids, layer_start, layer_end, gather=False)

@@ -15,7 +15,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from kvrelay.kernels.triton_common import dot_in_fp32, interpreting, pow2
+from kvrelay.kernels.triton_common import dot_in_fp32, interpreting, on_device, pow2
 
 
 @triton.jit
@@ -162,6 +162,8 @@ def paged_prefill_attention(
         raise ValueError("K and V caches must share strides with a unit stride on head_dim")
     if q.stride(-1) != 1:
         q = q.contiguous()
+    block_tables = on_device(block_tables, q.device)
+    query_start_loc, seq_lens = on_device(query_start_loc, q.device), on_device(seq_lens, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = query_start_loc.numel() - 1
     if num_tokens == 0 or num_seqs <= 0:

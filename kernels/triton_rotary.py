@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from kvrelay.kernels.triton_common import pow2
+from kvrelay.kernels.triton_common import on_device, pow2
 
 
 @triton.jit
@@ -61,6 +61,7 @@ def rotary_embedding(
     if k.stride(-1) != 1:
         k = k.contiguous()
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    positions = on_device(positions, q.device)
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     half = cs.shape[-1] // 2
