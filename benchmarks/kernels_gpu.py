@@ -125,8 +125,9 @@ def paged_inputs(torch, batch, context, block_size, num_kv_heads, head_dim, dtyp
     gen = torch.Generator(device="cpu").manual_seed(seed)
     blocks_per_seq = math.ceil(context / block_size)
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn((num_blocks, block_size, num_kv_heads, head_dim), generator=gen).to(device, dtype)
-    v_cache = torch.randn((num_blocks, block_size, num_kv_heads, head_dim), generator=gen).to(device, dtype)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device=device, dtype=dtype)  # on the device: GBs at the large shapes
+    v_cache = torch.randn(shape, device=device, dtype=dtype)
     tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).to(torch.int32).to(device)
     return k_cache, v_cache, tables
 
