@@ -11,5 +11,6 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-if "kvrelay.kernels.triton_ops" in sys.modules and os.environ["TRITON_INTERPRET"] != "1":
+_norm = sys.modules.get("kvrelay.kernels.triton_norm")
+if _norm is not None and type(_norm._rms_norm_kernel).__name__ != "InterpretedFunction":
     raise RuntimeError("the Triton kernels were imported before TRITON_INTERPRET=1 was set")
