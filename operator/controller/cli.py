@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         standalone=args.standalone,
-        peering_name=args.peering,
+        # Naming a peering makes kopf wait for it even when standalone: name it only when electing.
+        peering_name=None if args.standalone else args.peering,
         priority=priority,
         liveness_endpoint=args.liveness or None,
     )
