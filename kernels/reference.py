@@ -86,22 +86,23 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence against its whole paged context. q[B, Hq, D] -> [B, Hq, D]."""
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     max_len = int(seq_lens.max())
     block_size = k_cache.shape[1]
     num_blocks = (max_len + block_size - 1) // block_size
     table = block_tables[:, :num_blocks].long()
-    # [B, nb, bs, Hkv, D] -> [B, Hkv, ctx, D], padded to the longest sequence.
-    k = k_cache[table].flatten(1, 2)[:, :max_len].permute(0, 2, 1, 3).float()
-    v = v_cache[table].flatten(1, 2)[:, :max_len].permute(0, 2, 1, 3).float()
-    qg = q.float().view(batch, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, G, ctx]
-    pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None].long()
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, Hkv, G, D]
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    # Gather each sequence's blocks, padded to the longest: [B, Hkv, ctx, D] views.
+    k = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    v = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].long()
+    out = F.scaled_dot_product_attention(
+        q.float()[:, :, None],
+        k.float(),
+        v.float(),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[:, :, 0].to(q.dtype)
 
 
 def paged_prefill_attention(

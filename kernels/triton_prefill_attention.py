@@ -67,7 +67,7 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
     q_tok_stride, q_head_stride, o_tok_stride, o_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, bt_stride,
-    scale_log2, num_seqs, group,
+    scale_log2, num_seqs, group, max_context,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
@@ -89,6 +89,7 @@ def _prefill_kernel(
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     m0 = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
     context = tl.load(seq_lens_ptr + seq)
+    table_end = tl.minimum(context, max_context)  # never walk past the block table
     prefix = context - q_len
 
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -108,7 +109,8 @@ def _prefill_kernel(
     # Keys [0, prefix + m0] are visible to every row of the tile; a tile past the chunk sees nothing.
     has_rows = m0 < q_len
     full_end = tl.where(has_rows, ((prefix + m0 + 1) // BLOCK_N) * BLOCK_N, 0)
-    kv_end = tl.where(has_rows, tl.minimum(context, prefix + m0 + BLOCK_M), 0)
+    kv_end = tl.where(has_rows, tl.minimum(table_end, prefix + m0 + BLOCK_M), 0)
+    full_end = tl.minimum(full_end, (kv_end // BLOCK_N) * BLOCK_N)
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, n0, kv_end, q_pos, d,
@@ -176,7 +178,7 @@ def paged_prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * math.log2(math.e), num_seqs, num_heads // num_kv_heads,
+        scale * math.log2(math.e), num_seqs, num_heads // num_kv_heads, block_tables.shape[1] * block_size,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=pow2(head_dim),
         USE_DOT=use_dot, DOT_FP32=use_dot and dot_in_fp32(q.dtype),
         num_warps=warps, num_stages=stages,

@@ -69,3 +69,15 @@ def test_num_splits_heuristic():
     assert choose_num_splits(64, 8, 8192, cpu) == 1  # plenty of programs already
     assert choose_num_splits(1, 1, 8192, cpu) > 1  # one long sequence is split
     assert choose_num_splits(1, 1, 100, cpu) == 1  # too short to be worth it
+
+
+def test_lengths_beyond_the_block_table_are_clamped_to_it():
+    # A bad seq_lens must not send the kernel past the table (on a GPU: a memory fault).
+    rng = random.Random(7)
+    case = make_paged_case(rng, [32, 20], 16, 2, 64, torch.float32, extra_width=0)
+    q = randn((2, 4, 64), torch.float32, 1)
+    k_cache, v_cache = case.layer()
+    too_long = torch.tensor([32 + 50, 20], dtype=torch.int32)
+    got = paged_decode_attention(q, k_cache, v_cache, case.block_tables, too_long, 0.125, num_splits=2)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
