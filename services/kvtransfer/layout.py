@@ -138,12 +138,18 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def encode_chunk(layout_msg: kv_pb2.KVLayout, r: ChunkRange, num_tokens: int, t: torch.Tensor) -> kv_pb2.KVChunk:
+def fill_chunk(msg: kv_pb2.KVChunk, layout_msg: kv_pb2.KVLayout, r: ChunkRange, num_tokens: int,
+               t: torch.Tensor) -> int:
+    """Fill msg (in place: wrapping a built chunk in another message would copy its payload)
+    with tensor t of range r; returns the payload size."""
     data = tensor_bytes(t)
-    return kv_pb2.KVChunk(
-        layout=layout_msg, layer_start=r.layer_start, layer_end=r.layer_end, block_start=r.block_start,
-        block_end=r.block_end, num_tokens=num_tokens, crc32=zlib.crc32(data), data=data,
-    )
+    msg.layout.CopyFrom(layout_msg)
+    msg.layer_start, msg.layer_end, msg.block_start, msg.block_end = (
+        r.layer_start, r.layer_end, r.block_start, r.block_end)
+    msg.num_tokens = num_tokens
+    msg.crc32 = zlib.crc32(data)
+    msg.data = data
+    return len(data)
 
 
 class ChunkVerifier:
@@ -171,9 +177,10 @@ class ChunkVerifier:
         shape = (r.layer_end - r.layer_start, 2, r.block_end - r.block_start, lay.block_size,
                  lay.num_kv_heads, lay.head_dim)
         want = int(np.prod(shape)) * lay.torch_dtype.itemsize
-        if len(chunk.data) != want:
-            raise ChunkError(f"KV chunk carries {len(chunk.data)} bytes, its shape {shape} needs {want}")
-        crc = zlib.crc32(chunk.data)
+        data = chunk.data  # each access copies the payload: read it once
+        if len(data) != want:
+            raise ChunkError(f"KV chunk carries {len(data)} bytes, its shape {shape} needs {want}")
+        crc = zlib.crc32(data)
         if crc != chunk.crc32:
             raise ChunkError(f"KV chunk checksum mismatch (crc32 {crc:#010x}, sent {chunk.crc32:#010x}): "
                              f"corrupted in transit")
@@ -185,7 +192,7 @@ class ChunkVerifier:
         self.bytes += want
         with warnings.catch_warnings():  # read-only buffer: scatter only reads it
             warnings.simplefilter("ignore", UserWarning)
-            t = torch.frombuffer(chunk.data, dtype=torch.uint8).view(lay.torch_dtype).reshape(shape)
+            t = torch.frombuffer(data, dtype=torch.uint8).view(lay.torch_dtype).reshape(shape)
         return r, t
 
     def check_complete(self) -> None:

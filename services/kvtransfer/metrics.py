@@ -50,7 +50,7 @@ class WorkerMetrics:
         self.e2e = Histogram("kvrelay:e2e_request_latency_seconds", "Request latency, arrival to finish.",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.kv_seconds = Histogram("kvrelay:kv_transfer_seconds",
-                                    "KV hand-off latency: first header to last chunk written.",
+                                    "KV hand-off latency: first chunk received to last chunk written.",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.kv_speed = Histogram("kvrelay:kv_transfer_speed_gb_s", "KV hand-off speed per request (GB/s).",
                                   buckets=SPEED_BUCKETS, registry=r)

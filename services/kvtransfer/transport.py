@@ -65,7 +65,7 @@ class HandoffResult:
     first_logprob: TokenLogprob | None
     num_cached_tokens: int  # prompt tokens served by the prefill worker's prefix cache
     bytes: int
-    seconds: float  # header received -> last chunk written
+    seconds: float  # first chunk received -> last chunk written
     bytes_before_compute_done: int
     prefill_seconds: float
 
@@ -139,7 +139,7 @@ class GrpcKVTransport(KVTransport):
         if msg.WhichOneof("kind") != "header":
             raise PrefillFailedError(f"hand-off began with {msg.WhichOneof('kind')!r}, expected a header")
         header = msg.header
-        t0 = time.monotonic()
+        t0 = None  # first chunk received: transfer time excludes waiting for the prefill to start
         check_layout(self.layout, KVLayout.from_proto(header.layout), "hand-off header")
         if header.num_tokens != len(request.prompt_ids) or header.num_blocks != len(dest.block_ids):
             raise ChunkError(f"prefill worker describes {header.num_tokens} tokens in {header.num_blocks} blocks; "
@@ -151,6 +151,7 @@ class GrpcKVTransport(KVTransport):
                 msg = await _read(call)
                 kind = msg.WhichOneof("kind")
                 if kind == "chunk":
+                    t0 = t0 or time.monotonic()
                     writer.add(*verifier.verify(msg.chunk))
                 elif kind == "done":
                     await writer.drain()
@@ -162,7 +163,8 @@ class GrpcKVTransport(KVTransport):
                         first_token=done.first_token_id,
                         first_logprob=logprob_from_proto(done.first_logprob) if done.has_logprob else None,
                         num_cached_tokens=done.num_cached_tokens, bytes=verifier.bytes,
-                        seconds=time.monotonic() - t0, bytes_before_compute_done=done.bytes_before_compute_done,
+                        seconds=time.monotonic() - (t0 or time.monotonic()),
+                        bytes_before_compute_done=done.bytes_before_compute_done,
                         prefill_seconds=done.prefill_seconds)
                 elif kind == "aborted":
                     raise PrefillFailedError(f"prefill worker aborted the hand-off: {msg.aborted.reason}")

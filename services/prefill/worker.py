@@ -26,7 +26,7 @@ from kvrelay.engine.errors import EngineDeadError, InvalidRequestError
 from kvrelay.engine.sequence import Status
 from kvrelay.kvtransfer.convert import logprob_to_proto, params_from_proto
 from kvrelay.kvtransfer.errors import LayoutMismatchError
-from kvrelay.kvtransfer.layout import ChunkRange, KVLayout, check_layout, encode_chunk, plan_chunks
+from kvrelay.kvtransfer.layout import ChunkRange, KVLayout, check_layout, fill_chunk, plan_chunks
 from kvrelay.kvtransfer.leases import Lease, LeaseTable
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.worker_base import WorkerBase, WorkerOptions
@@ -61,6 +61,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         self._final: list[_Handoff] = []  # engine thread: hand-offs whose prompt completes this step
         self.group = self.options.layer_group_size or max(1, -(-self.layout.num_layers // 4))
         self.llm.model.layer_hook = self._on_layer
+        self._layout_msg = self.layout.to_proto()
         self._reaper: asyncio.Task | None = None
 
     def add_services(self, server: grpc.aio.Server) -> None:
@@ -144,11 +145,12 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             kind = ev[0]
             if kind == "chunk":
                 _, r, t = ev
-                msg = encode_chunk(self.layout.to_proto(), r, lease.num_tokens, t)
-                await context.write(kv_pb2.PrefillServerMessage(chunk=msg))
-                h.bytes_sent += len(msg.data)
+                msg = kv_pb2.PrefillServerMessage()
+                size = fill_chunk(msg.chunk, self._layout_msg, r, lease.num_tokens, t)
+                await context.write(msg)
+                h.bytes_sent += size
                 if not lease.compute_done:
-                    h.bytes_before_compute_done += len(msg.data)
+                    h.bytes_before_compute_done += size
                 lease.renew(self.options.lease_seconds)
                 if self.options.debug_chunk_delay_s:
                     await asyncio.sleep(self.options.debug_chunk_delay_s)
@@ -194,6 +196,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                 pass
             lease.compute_done = True
             lease.renew(self.options.lease_seconds)
+            self.metrics.ttft.observe(time.monotonic() - t0)  # queue + compute on this worker
             with self._lock:
                 self._streaming.pop(lease.lease_id, None)
             for r, t in await self.engine.call_in_engine_thread(lambda llm: self._gather_rest(h)):

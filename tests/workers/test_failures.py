@@ -198,15 +198,15 @@ async def test_corrupted_chunk_is_detected_never_used(monkeypatch):
     """A chunk whose bytes changed in transit fails its checksum; the decode worker drops the
     attempt (freeing its blocks) and prefills locally; with local prefill off it is an error."""
     import kvrelay.prefill.worker as prefill_worker
-    from kvrelay.kvtransfer.layout import encode_chunk
+    from kvrelay.kvtransfer.layout import fill_chunk
 
-    def corrupting_encode(*args):
-        msg = encode_chunk(*args)
+    def corrupting_fill(msg, *args):
+        size = fill_chunk(msg, *args)
         if msg.block_start == 0:
             msg.data = bytes([msg.data[0] ^ 1]) + msg.data[1:]
-        return msg
+        return size
 
-    monkeypatch.setattr(prefill_worker, "encode_chunk", corrupting_encode)
+    monkeypatch.setattr(prefill_worker, "fill_chunk", corrupting_fill)
     pair = await start_pair()
     try:
         want = await reference_tokens(PROMPT[:100], SEEDED)

@@ -1,0 +1,140 @@
+"""Wire pieces on their own: chunk planning and verification, conversions, leases."""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import pytest
+import torch
+from kvrelay.engine.outputs import RequestOutput, TokenLogprob
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer.convert import output_from_proto, output_to_proto, params_from_proto, params_to_proto
+from kvrelay.kvtransfer.errors import ChunkError, LayoutMismatchError
+from kvrelay.kvtransfer.layout import (
+    MESSAGE_OVERHEAD,
+    ChunkRange,
+    ChunkVerifier,
+    KVLayout,
+    check_layout,
+    fill_chunk,
+    plan_chunks,
+)
+from kvrelay.kvtransfer.leases import Lease, LeaseTable
+from kvrelay.v1 import kv_pb2
+
+LAYOUT = KVLayout("m", "rev1", "float32", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
+
+
+def _chunk(r: ChunkRange, num_tokens: int = 10, layout: KVLayout = LAYOUT, dtype=torch.float32):
+    t = torch.randn(r.layer_end - r.layer_start, 2, r.block_end - r.block_start, layout.block_size,
+                    layout.num_kv_heads, layout.head_dim).to(dtype)
+    msg = kv_pb2.KVChunk()
+    fill_chunk(msg, layout.to_proto(), r, num_tokens, t)
+    return msg, t
+
+
+@pytest.mark.parametrize("max_bytes", [MESSAGE_OVERHEAD + 512, MESSAGE_OVERHEAD + 1500, MESSAGE_OVERHEAD + 5000,
+                                       4 * 2**20])
+def test_plan_covers_every_slice_once_within_the_message_bound(max_bytes):
+    per = LAYOUT.bytes_per_block_layer  # 512
+    seen = torch.zeros(3, 7, dtype=torch.int32)
+    for r in plan_chunks(LAYOUT, 0, 3, 7, max_bytes):
+        assert (r.layer_end - r.layer_start) * (r.block_end - r.block_start) * per <= max_bytes - MESSAGE_OVERHEAD
+        seen[r.layer_start:r.layer_end, r.block_start:r.block_end] += 1
+    assert bool((seen == 1).all())
+
+
+def test_plan_refuses_a_message_bound_below_one_block_of_one_layer():
+    with pytest.raises(ValueError, match="raise --max-message-bytes"):
+        plan_chunks(LAYOUT, 0, 3, 7, MESSAGE_OVERHEAD + 100)
+
+
+def test_verified_chunk_round_trips_exactly():
+    v = ChunkVerifier(LAYOUT, num_tokens=10, num_blocks=3)
+    msg, t = _chunk(ChunkRange(0, 3, 0, 3))
+    r, got = v.verify(kv_pb2.KVChunk.FromString(msg.SerializeToString()))
+    assert r == ChunkRange(0, 3, 0, 3) and torch.equal(got, t)
+    v.check_complete()
+
+
+def test_bfloat16_chunks_round_trip():
+    lay = KVLayout("m", "r", "bfloat16", 4, 1, 2, 8)
+    msg, t = _chunk(ChunkRange(0, 1, 0, 2), layout=lay, dtype=torch.bfloat16)
+    _, got = ChunkVerifier(lay, 10, 2).verify(msg)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, t)
+
+
+def test_corrupted_payload_fails_the_checksum():
+    msg, _ = _chunk(ChunkRange(0, 1, 0, 1))
+    msg.data = bytes([msg.data[0] ^ 0x80]) + msg.data[1:]
+    with pytest.raises(ChunkError, match="checksum mismatch"):
+        ChunkVerifier(LAYOUT, 10, 3).verify(msg)
+
+
+@pytest.mark.parametrize("field,value", [("dtype", "bfloat16"), ("model_revision", "rev2"), ("block_size", 8),
+                                         ("num_kv_heads", 4), ("model_id", "other")])
+def test_layout_mismatch_names_the_field(field, value):
+    msg, _ = _chunk(ChunkRange(0, 1, 0, 1))
+    setattr(msg.layout, field, value)
+    with pytest.raises(LayoutMismatchError, match=field):
+        ChunkVerifier(LAYOUT, 10, 3).verify(msg)
+    with pytest.raises(LayoutMismatchError, match=field):
+        check_layout(LAYOUT, KVLayout.from_proto(msg.layout), "test")
+
+
+def test_bad_ranges_sizes_duplicates_and_gaps_are_errors():
+    v = ChunkVerifier(LAYOUT, 10, 3)
+    msg, _ = _chunk(ChunkRange(0, 1, 2, 4))  # block 3 of 3
+    with pytest.raises(ChunkError, match="outside"):
+        v.verify(msg)
+    msg, _ = _chunk(ChunkRange(0, 1, 0, 1), num_tokens=11)
+    with pytest.raises(ChunkError, match="11 tokens"):
+        v.verify(msg)
+    msg, _ = _chunk(ChunkRange(0, 1, 0, 1))
+    msg.data = msg.data[:-4]
+    msg.crc32 = zlib.crc32(msg.data)
+    with pytest.raises(ChunkError, match="bytes"):
+        v.verify(msg)
+    msg, _ = _chunk(ChunkRange(0, 2, 0, 2))
+    v.verify(msg)
+    with pytest.raises(ChunkError, match="overlaps"):
+        v.verify(_chunk(ChunkRange(1, 2, 1, 3))[0])
+    with pytest.raises(ChunkError, match="never arrived"):
+        v.check_complete()
+
+
+def test_sampling_params_round_trip():
+    for p in (SamplingParams(),
+              SamplingParams(n=2, max_tokens=None, min_tokens=3, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1,
+                             repetition_penalty=1.1, presence_penalty=-0.5, frequency_penalty=0.25, seed=2**40,
+                             stop=["a", "bc"], stop_token_ids=[2, 7], ignore_eos=True, logprobs=0,
+                             skip_special_tokens=False)):
+        assert params_from_proto(params_to_proto(p)) == p
+
+
+def test_request_output_round_trip():
+    outs = [
+        RequestOutput("r", 0, [5, 6], "ab", [TokenLogprob(5, -0.25, [(5, -0.25), (9, -2.0)]),
+                                              TokenLogprob(6, -1.5, [])], None, None, 10, 2, 4),
+        RequestOutput("r", 1, [], "", None, "stop", "the", 10, 3),
+        RequestOutput("r", 0, [2], "", None, "stop", 2, 10, 4),
+        RequestOutput("r", 0, [], "", None, "abort", None, 10, 0),
+    ]
+    for out in outs:
+        assert output_from_proto(output_to_proto(out)) == out
+
+
+def test_lease_deadline_starts_when_the_prefill_is_done():
+    table = LeaseTable()
+    lease = Lease("l1", "r1", 10)
+    table.add(lease)
+    lease.renew(0.0)
+    assert table.expired(time.monotonic() + 100) == []  # still computing: the stream covers it
+    lease.compute_done = True
+    lease.renew(1.0)
+    assert table.expired() == []
+    assert table.expired(time.monotonic() + 2) == [lease]
+    assert table.by_request("r1") == [lease]
+    table.remove(lease)
+    assert len(table) == 0
