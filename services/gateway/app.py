@@ -659,7 +659,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         gateway.metrics.errors.labels("500").inc()
         return ApiError(500, "Internal server error", "server_error", code="internal_error").response()
 
-    def tenant_of(request: Request) -> Tenant:
+    async def tenant_of(request: Request) -> Tenant:  # async: sync dependencies hop to a thread pool
         tenant = gateway.tenants.authenticate(key_from_headers(request.headers))
         if tenant is None:
             raise errors.unauthorized("Missing or incorrect API key: send it as `Authorization: Bearer <key>` "

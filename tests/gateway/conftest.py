@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 from gateway_helpers import InProcessGateway, RedisServer
@@ -23,3 +25,11 @@ def open_gateway():
     gw = InProcessGateway()
     yield gw
     gw.stop()
+
+
+@pytest.fixture(scope="module")
+def own_tmp():
+    """A temporary folder outside pytest's basetemp, which concurrent pytest runs may rotate away
+    while our gateway processes still read their tenants file and write their logs."""
+    with tempfile.TemporaryDirectory(prefix="kvrelay-gateway-") as d:
+        yield Path(d)

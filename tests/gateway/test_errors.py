@@ -16,8 +16,8 @@ MODEL = "stories260K"
 
 
 @pytest.fixture(scope="module")
-def tenants_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
+def tenants_path(own_tmp):
+    path = own_tmp / "tenants.yaml"
     write_tenants(path, [
         {"id": "acme", "api_keys_sha256": [hash_key("sk-acme")], "quotas": {"requests_per_minute": 1000}},
         {"id": "limited", "api_keys_sha256": [hash_key("sk-limited")], "quotas": {"requests_per_minute": 2}},

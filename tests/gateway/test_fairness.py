@@ -71,8 +71,8 @@ async def test_cancelled_waiter_leaves_the_queue():
     assert sched.inflight == 0
 
 
-def test_flooding_tenant_does_not_starve_another_of_same_priority(tmp_path, capsys):
-    tenants = write_tenants(tmp_path / "t.yaml", [
+def test_flooding_tenant_does_not_starve_another_of_same_priority(own_tmp, capsys):
+    tenants = write_tenants(own_tmp / "fairness-tenants.yaml", [
         {"id": "flood", "api_keys_sha256": [hash_key("k-flood")]},
         {"id": "light", "api_keys_sha256": [hash_key("k-light")]},
         {"id": "vip", "api_keys_sha256": [hash_key("k-vip")], "priority": 10},

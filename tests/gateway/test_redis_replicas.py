@@ -24,8 +24,8 @@ TENANTS = [
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("replicas")
+def cluster(own_tmp):
+    tmp = own_tmp
     redis = RedisServer()
     redis.start()
     tenants = write_tenants(tmp / "tenants.yaml", TENANTS)
