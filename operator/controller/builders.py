@@ -111,12 +111,16 @@ def build_config_map(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]
 def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: OperatorConfig) -> list[str]:
     if role in c.WORKER_ROLES:
         args = [role, "--model", spec.model.uri, "--port", str(c.WORKER_GRPC_PORT),
-                "--metrics-port", str(c.WORKER_METRICS_PORT)]
+                "--metrics-port", str(c.WORKER_METRICS_PORT),
+                "--served-model-name", spec.model.name, "--dtype", spec.model.dtype]
+        if spec.model.quantization != "none":
+            args += ["--quantization", spec.model.quantization]
     else:
         args = [
             "gateway",
             "--prefill", f"dns:///{service_host(owner, 'prefill')}:{c.WORKER_GRPC_PORT}",
             "--decode", f"dns:///{service_host(owner, 'decode')}:{c.WORKER_GRPC_PORT}",
+            "--host", "0.0.0.0",
             "--port", str(c.GATEWAY_HTTP_PORT),
         ]
         if spec.redis_url or spec.redis_secret or config.default_redis_url:

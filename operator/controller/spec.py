@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("none", "int8", "fp8")
+QUANTIZATIONS = ("none", "int8")  # what the engine implements
 TRANSPORTS = ("grpc", "rdma")
 METRICS = ("queueDepth",)
 

@@ -37,16 +37,27 @@ def test_worker_and_gateway_commands_follow_the_cli_contract():
     objs = children({"model": {"uri": "/models/llama"}, "decode": {"args": ["--max-batch", "8"]}})
     decode = pod(objs, "decode")["containers"][0]
     assert decode["args"] == ["decode", "--model", "/models/llama", "--port", "50051", "--metrics-port", "9090",
-                              "--max-batch", "8"]
+                              "--served-model-name", "demo", "--dtype", "auto", "--max-batch", "8"]
     assert decode["image"] == "kvrelay:1"
     gateway = pod(objs, "gateway")["containers"][0]
-    assert gateway["args"][:7] == ["gateway", "--prefill", "dns:///demo-prefill.team-a.svc.cluster.local:50051",
-                                   "--decode", "dns:///demo-decode.team-a.svc.cluster.local:50051", "--port", "8000"]
+    assert gateway["args"][:9] == ["gateway", "--prefill", "dns:///demo-prefill.team-a.svc.cluster.local:50051",
+                                   "--decode", "dns:///demo-decode.team-a.svc.cluster.local:50051",
+                                   "--host", "0.0.0.0", "--port", "8000"]
     # No redis in the spec: the chart's bundled Redis.
     assert gateway["args"][-2:] == ["--redis-url", "$(KVRELAY_REDIS_URL)"]
     assert {"name": "KVRELAY_REDIS_URL", "value": "redis://kvrelay-redis.ops:6379/0"} in gateway["env"]
     assert objs["Service", "demo-prefill"]["spec"]["clusterIP"] == "None"
     assert objs["Service", "demo-gateway"]["spec"]["ports"][0]["port"] == 8000
+
+
+def test_model_settings_become_worker_flags():
+    objs = children({"model": {"uri": "/m", "name": "llama-3", "dtype": "bfloat16", "quantization": "int8"}})
+    for role in ("prefill", "decode"):
+        args = pod(objs, role)["containers"][0]["args"]
+        assert args[args.index("--served-model-name") + 1] == "llama-3"
+        assert args[args.index("--dtype") + 1] == "bfloat16"
+        assert args[args.index("--quantization") + 1] == "int8"
+    assert objs["ConfigMap", "demo-config"]["data"]["KVRELAY_MODEL_NAME"] == "llama-3"
 
 
 def test_redis_secret_and_tenants_secret_are_wired_into_the_gateway():

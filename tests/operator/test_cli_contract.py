@@ -1,0 +1,43 @@
+"""The commands the operator puts in pods parse with the real `kvrelay` role subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+from kvrelay.operator.builders import Owner, build_children
+from kvrelay.operator.config import OperatorConfig
+from kvrelay.operator.spec import parse_spec
+
+from kvrelay import cli
+
+SPEC = {"model": {"uri": "/models/m", "name": "m", "dtype": "float32", "quantization": "int8"},
+        "tenants": {"secretRef": {"name": "t"}}, "redis": {"url": "redis://r:6379/0"}}
+
+
+def role_parser(role: str) -> argparse.ArgumentParser:
+    module_name = {"prefill": "kvrelay.prefill.cli", "decode": "kvrelay.decode.cli"}.get(role)
+    if role in cli.COMMANDS:
+        module_name = cli.COMMANDS[role][0]
+    if module_name is None:
+        pytest.skip(f"`kvrelay {role}` is not available yet")
+    parser = argparse.ArgumentParser(prog=f"kvrelay {role}")
+    importlib.import_module(module_name).add_arguments(parser)
+    return parser
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "gateway"])
+def test_pod_arguments_parse(role):
+    children = build_children(Owner("demo", "ns", "uid"), parse_spec(SPEC, "demo"), OperatorConfig())
+    (deployment,) = [d for d in children if d["kind"] == "Deployment" and d["metadata"]["name"] == f"demo-{role}"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == role
+    parsed = role_parser(role).parse_args(args[1:])
+    if role == "gateway":
+        assert parsed.host == "0.0.0.0" and parsed.port == 8000
+        assert parsed.prefill == "dns:///demo-prefill.ns.svc.cluster.local:50051"
+        assert parsed.redis_url == "$(KVRELAY_REDIS_URL)"  # the kubelet substitutes it from env
+    else:
+        assert parsed.model == "/models/m" and parsed.port == 50051 and parsed.metrics_port == 9090
+        assert parsed.dtype == "float32" and parsed.quantization == "int8"
