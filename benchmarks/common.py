@@ -1,0 +1,68 @@
+"""Helpers shared by the benchmark scripts: a ~30M-parameter Llama folder, workloads, RSS."""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+from pathlib import Path
+
+# About 30M parameters: 16.4M embedding + 16.4M lm_head are the bulk; 8 layers of 512 wide.
+LLAMA_30M = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
+)
+
+
+def write_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """A word-level tokenizer "t0 t1 ..." so any token id decodes (benchmarks feed token ids)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t1", "eos_token": "t2"}))
+
+
+def make_model_dir(model_dir: Path, config: dict, with_weights: bool) -> Path:
+    """config.json + tokenizer; with_weights also saves random HF weights (for HF baselines)."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if with_weights and not (model_dir / "model.safetensors").exists():
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        hf_config = transformers.LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures",)})
+        model = transformers.LlamaForCausalLM(hf_config)
+        model.save_pretrained(model_dir)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    write_word_tokenizer(model_dir, config["vocab_size"])
+    return model_dir
+
+
+def workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int = 0):
+    """n requests of random token ids: [(prompt_ids, max_tokens)]."""
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
+        for _ in range(n)
+    ]
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
