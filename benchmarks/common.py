@@ -8,24 +8,24 @@ import resource
 from pathlib import Path
 
 # About 30M parameters: 16.4M embedding + 16.4M lm_head are the bulk; 8 layers of 512 wide.
-LLAMA_30M = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    vocab_size=32000,
-    hidden_size=512,
-    intermediate_size=1376,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    head_dim=64,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    torch_dtype="float32",
-)
+LLAMA_30M = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
 
 
 def write_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
@@ -47,7 +47,9 @@ def make_model_dir(model_dir: Path, config: dict, with_weights: bool) -> Path:
         import transformers
 
         torch.manual_seed(0)
-        hf_config = transformers.LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures",)})
+        hf_config = transformers.LlamaConfig(
+            **{k: v for k, v in config.items() if k not in ("architectures",)}
+        )
         model = transformers.LlamaForCausalLM(hf_config)
         model.save_pretrained(model_dir)
     (model_dir / "config.json").write_text(json.dumps(config))

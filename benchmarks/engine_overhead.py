@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import peak_rss_mib  # noqa: E402
+from common import peak_rss_mib
 
 
 def main() -> None:
@@ -26,7 +26,6 @@ def main() -> None:
     args = p.parse_args()
 
     import torch
-
     from kvrelay.engine.engine_args import EngineArgs
     from kvrelay.engine.llm_engine import LLMEngine
     from kvrelay.engine.sampling_params import SamplingParams
@@ -57,8 +56,10 @@ def main() -> None:
     model = forward_time[0] / args.steps * 1000
     print(f"decode step with {args.seqs} running sequences: {total:.2f} ms total")
     print(f"  model forward: {model:.2f} ms")
-    print(f"  engine overhead (scheduling, batch building, sampling, detokenizing): {total - model:.2f} ms "
-          f"(target <= 2 ms)")
+    print(
+        f"  engine overhead (scheduling, batch building, sampling, detokenizing): {total - model:.2f} ms "
+        f"(target <= 2 ms)"
+    )
     print(f"  peak RSS {peak_rss_mib():.0f} MiB")
 
 

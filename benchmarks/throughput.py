@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LLAMA_30M, make_model_dir, peak_rss_mib, workload  # noqa: E402
+from common import LLAMA_30M, make_model_dir, peak_rss_mib, workload
 
 
 def run_kvrelay(model_dir: str, reqs) -> dict:
