@@ -11,7 +11,8 @@ from kvrelay.operator import constants as c
 from operator_harness import DEPLOYMENTS, EVENTS, ISVC, eventually, isvc_body
 
 NS = "default"
-DOWN_WINDOW = 3
+DOWN_WINDOW = 4
+SLACK = 2.0  # one interval plus a slow pass: a lower bound that never flakes, still far from immediate
 
 
 class MetricsServer:
@@ -110,14 +111,14 @@ async def test_queue_depth_scales_roles_independently_to_zero_and_back(cluster, 
     set_load(endpoints, decode_queue=0, decode_waiting=10, decode_running=4)
     drained = time.time()
     await eventually(lambda: replicas(cluster, "prefill") == 1)
-    assert time.time() - drained >= DOWN_WINDOW - 1  # status times have one-second resolution
+    assert time.time() - drained >= DOWN_WINDOW - SLACK
     assert replicas(cluster, "decode") == 5
 
     # All idle: both go to zero again, after the window.
     set_load(endpoints)
     idle_since = time.time()
     await eventually(lambda: replicas(cluster, "prefill") == 0 and replicas(cluster, "decode") == 0)
-    assert time.time() - idle_since >= DOWN_WINDOW - 1
+    assert time.time() - idle_since >= DOWN_WINDOW - SLACK
 
     # Every change was recorded as an Event on the InferenceService (posted asynchronously).
     def scaled_messages() -> str:

@@ -93,8 +93,16 @@ async def test_second_reconcile_of_an_unchanged_resource_writes_nothing(cluster,
     await cluster.create(isvc_body())
     operator_runner()
     await eventually(lambda: condition(cluster, "Ready"))
-    await asyncio.sleep(1.5)  # let the creation settle (kopf's own bookkeeping patches)
     watched = (DEPLOYMENTS, SERVICES, CONFIGMAPS, ISVC)
+
+    async def settled() -> bool:  # creation done: kopf's and our first writes are over
+        count = len(cluster.writes(*watched))
+        await asyncio.sleep(1.5)
+        return len(cluster.writes(*watched)) == count
+
+    for _ in range(20):
+        if await settled():
+            break
     writes_before = len(cluster.writes(*watched))
     passes_before = sum(1 for r in list(cluster._requests) if r.method == "GET" and r.resource == DEPLOYMENTS)
     await asyncio.sleep(3.5)  # several reconcile passes at intervalSeconds=1
