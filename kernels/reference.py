@@ -77,15 +77,7 @@ def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> t
     return cache[blocks].flatten(0, 1)[:length]
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One query token per sequence against its whole paged context. q[B, Hq, D] -> [B, Hq, D]."""
+def _decode_attention_padded(q, k_cache, v_cache, block_tables, seq_lens, scale):
     max_len = int(seq_lens.max())
     block_size = k_cache.shape[1]
     num_blocks = (max_len + block_size - 1) // block_size
@@ -103,6 +95,29 @@ def paged_decode_attention(
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[:, :, 0].to(q.dtype)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence against its whole paged context. q[B, Hq, D] -> [B, Hq, D].
+
+    Sequences are sorted by length and processed in up to 4 buckets, each padded only to its
+    own longest member, so mixed lengths do not gather (and attend over) mostly padding.
+    """
+    batch = q.shape[0]
+    if batch <= 8:
+        return _decode_attention_padded(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    order = torch.argsort(seq_lens)
+    out = torch.empty_like(q)
+    for idx in torch.tensor_split(order, 4):
+        out[idx] = _decode_attention_padded(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale)
+    return out
 
 
 def paged_prefill_attention(
