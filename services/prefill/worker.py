@@ -78,6 +78,10 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
+        for h in list(self._handoffs.values()):  # tell each decode worker before the streams close
+            self._interrupt(h, ("shutdown", "the prefill worker is shutting down"))
+        if self._handoffs:
+            await asyncio.sleep(0.05)
         await super().stop(grace_s)
 
     # ---- RPCs ---------------------------------------------------------------------------------

@@ -127,3 +127,30 @@ async def test_n_greater_than_one_is_prefilled_on_the_decode_worker():
     finally:
         await stop_pair(pair)
         await ref.shutdown()
+
+
+async def test_concurrent_handoffs_match_and_leave_no_blocks(tiny_llama):
+    """Many hand-offs at once: several prompts finish their prefill in the same step (the layer
+    hook serves each), decode batches them; outputs match and both pools end fully free."""
+    import asyncio
+
+    opts = WorkerOptions(max_message_bytes=16 * 1024, stream_min_tokens=0, layer_group_size=1)
+    pair = await start_pair(tiny_llama, num_kv_blocks=256, prefill_options=opts, decode_options=opts)
+    ref = AsyncEngine(EngineArgs(model=str(tiny_llama), num_kv_blocks=256))
+    await ref.start()
+    try:
+        rng = random.Random(5)
+        shared = [rng.randrange(3, 512) for _ in range(64)]
+        prompts = [(shared if i % 3 == 0 else []) + [rng.randrange(3, 512) for _ in range(rng.randrange(5, 150))]
+                   for i in range(12)]
+        params = [PARAMS["greedy"] if i % 2 else PARAMS["seeded"] for i in range(12)]
+        got = await asyncio.gather(*(
+            _collect(pair.client.generate(p, sp, f"c{i}", prefill_addr=pair.prefill_addr))
+            for i, (p, sp) in enumerate(zip(prompts, params))))
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            want = await _collect(ref.generate(p, sp, f"c{i}"))
+            assert got[i][0] == want[0], f"request {i}"
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()
