@@ -71,3 +71,9 @@ async def test_only_the_elected_leader_reconciles(cluster, tmp_path):
         await stop(standby)
         if leader is not None:
             await stop(leader)
+
+
+def test_namespaced_mode_requires_standalone():
+    out = subprocess.run([sys.executable, "-m", "kvrelay.cli", "operator", "-n", "team-a"],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--standalone" in out.stderr
