@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+# The tests import the helper modules beside them (operator_harness, schema_check) under any
+# pytest --import-mode; this folder can't be a package (it would be named `operator`).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvrelay.operator import constants as c
 from operator_harness import ISVC, Cluster
 
