@@ -161,6 +161,19 @@ def _ports(role: str) -> list[dict[str, Any]]:
     ]
 
 
+def normalized_resources(resources: Mapping[str, Any]) -> dict[str, Any]:
+    """Quantities as strings, the form the API server returns (`gpu: 1` reads back as "1"), so the
+    drift check does not see a difference that is only a type."""
+    out: dict[str, Any] = {}
+    for key, value in resources.items():
+        if isinstance(value, Mapping):
+            out[key] = {name: str(q) if isinstance(q, int) and not isinstance(q, bool) else q
+                        for name, q in value.items()}
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 def build_deployment(
     owner: Owner, role: str, spec: InferenceServiceSpec, config: OperatorConfig, replicas: int
 ) -> dict[str, Any]:
@@ -176,7 +189,7 @@ def build_deployment(
         **_probes(role),
     }
     if rs.resources:
-        container["resources"] = copy.deepcopy(rs.resources)
+        container["resources"] = normalized_resources(rs.resources)
     pod_spec: dict[str, Any] = {"containers": [container]}
     if role == "gateway" and spec.tenants_secret:
         container["volumeMounts"] = [{"name": "tenants", "mountPath": c.TENANTS_MOUNT_DIR, "readOnly": True}]

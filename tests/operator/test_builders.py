@@ -82,7 +82,7 @@ def test_role_placement_and_resources_are_passed_through():
         "env": [{"name": "X", "value": "1"}], "image": "custom:2"}})
     spec = pod(objs, "decode")
     assert spec["nodeSelector"] == {"gpu": "h100"} and spec["tolerations"][0]["key"] == "gpu"
-    assert spec["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    assert spec["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": "1"}}  # as the server returns it
     assert spec["containers"][0]["image"] == "custom:2"
     assert spec["containers"][0]["env"][-1] == {"name": "X", "value": "1"}
 
