@@ -188,8 +188,8 @@ async def keep_in_sync(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
     while not stopped:
         try:
             await reconcile(body, memo, client, autoscale=True)
-        except APIError as e:
-            logger.error(f"reconcile pass failed, retrying next interval: {e!r}")
+        except Exception:  # one failed pass must not stop drift repair or scaling
+            logger.exception("reconcile pass failed, retrying next interval")
         try:
             interval = parse_spec(body.get("spec"), body["metadata"]["name"]).autoscaling.interval_seconds
         except InvalidSpec:
