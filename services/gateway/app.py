@@ -105,8 +105,9 @@ class Gateway:
         model = self.backend.model_name
         stats = self.backend.stats()
         depth = self.scheduler.depth
+        # Requests waiting at the gateway need every role, so each role's series shows the queue.
         out = {
-            "kvrelay:gateway_queue_depth": [({"model": model, "role": self.backend.role}, depth)],
+            "kvrelay:gateway_queue_depth": [({"model": model, "role": role}, depth) for role in self.backend.roles],
             "kvrelay:num_requests_waiting": [({"model": model}, depth + (stats.num_waiting if stats else 0))],
             "kvrelay:num_requests_running": [({"model": model}, stats.num_running if stats else self.running)],
         }
@@ -320,6 +321,8 @@ def _engine_error(e: Exception, p: Prepared) -> ApiError:
         return errors.bad_request(str(e), e.field)
     if isinstance(e, EngineDeadError):
         return errors.unavailable(f"The engine stopped: {e}", "engine_dead")
+    if type(e).__module__ == "kvrelay.kvtransfer.errors":  # worker unreachable, no capacity, failed hand-off
+        return errors.unavailable(f"No worker could serve the request: {e}", "workers_unavailable")
     log.exception("request %s failed", p.request_id, exc_info=e)
     return ApiError(500, f"Internal error while generating ({type(e).__name__})", "server_error",
                     code="internal_error")

@@ -14,11 +14,11 @@ yields increments until all `n` samples finish, and ends with finish_reason "abo
 
 Implementations:
 - `LocalBackend`: an in-process AsyncEngine (`kvrelay serve`).
-- `DisaggregatedBackend` (`kvrelay gateway`, `kvrelay serve --disaggregated`): routes each
-  request to a prefill worker (prefix affinity + load) and a decode worker (load) chosen by
-  `kvrelay.gateway.routing`, through the workers' gRPC client in `kvrelay.kvtransfer`. It
-  retries a worker that fails before the first token on another one. It is wired up when
-  that client exists; until then constructing it raises a clear error.
+- `DisaggregatedBackend` (`kvrelay.gateway.disaggregated`; `kvrelay gateway`,
+  `kvrelay serve --disaggregated`): routes each request to prefill workers (prefix affinity +
+  load) and a decode worker (load) chosen by `kvrelay.gateway.routing`, through the workers'
+  gRPC client in `kvrelay.kvtransfer`, and retries a decode worker that fails before the
+  first token on another one.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Backend(Protocol):
     model_name: str
     max_model_len: int
     tokenizer: Any
-    role: str  # label of the queue-depth metric: "engine" (in-process) or the worker role
+    roles: tuple[str, ...]  # role labels of the queue-depth metric: ("engine",) or ("prefill", "decode")
     capacity: int
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
@@ -60,7 +60,7 @@ class Backend(Protocol):
 class LocalBackend:
     """An AsyncEngine in this process. The engine is built in `start()` (inside the loop)."""
 
-    role = "engine"
+    roles = ("engine",)
 
     def __init__(self, engine_args):
         self.engine_args = engine_args
@@ -111,19 +111,3 @@ class LocalBackend:
     async def shutdown(self) -> None:
         if self.engine is not None:
             await self.engine.shutdown()
-
-
-class DisaggregatedBackend:
-    """Prefill/decode workers behind the gateway (see the module docstring)."""
-
-    role = "prefill"
-
-    def __init__(self, prefill: list[str], decode: list[str], **kwargs):
-        try:
-            import kvrelay.kvtransfer.client  # noqa: F401
-        except ImportError as e:
-            raise RuntimeError(
-                "the disaggregated backend needs the prefill/decode workers' gRPC client "
-                "(kvrelay.kvtransfer.client), which is not available in this build yet; "
-                "use `kvrelay serve` for the single-process mode") from e
-        raise RuntimeError("kvrelay.kvtransfer.client exists but the gateway is not wired to it yet")

@@ -2,31 +2,48 @@
 
     kvrelay gateway --prefill HOST:PORT,... --decode HOST:PORT,... --redis-url URL --tenants FILE
 
-Workers come from static lists, or from a headless Service's DNS name (re-resolved
-periodically, see `kvrelay.gateway.routing`).
+Workers come from static lists, or from a headless Service's DNS name
+(`dns:///kvrelay-decode.NS.svc.cluster.local:50051`), re-resolved every `--dns-refresh` s.
+The gateway reads only the tokenizer and configs from `--model` (no weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 
-from kvrelay.gateway.serve import add_gateway_arguments
+from kvrelay.gateway.serve import add_gateway_arguments, build_quota, gateway_config, run_app
+
+from kvrelay.models import BUNDLED_MODEL
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_gateway_arguments(parser, default_port=8000)
-    parser.add_argument("--prefill", default="", help="prefill workers: HOST:PORT,... or dns:///SERVICE:PORT")
-    parser.add_argument("--decode", default="", help="decode workers: HOST:PORT,... or dns:///SERVICE:PORT")
+    parser.add_argument("--prefill", default="", help="prefill workers: HOST:PORT,... or dns:///NAME:PORT")
+    parser.add_argument("--decode", default="", help="decode workers: HOST:PORT,... or dns:///NAME:PORT")
+    parser.add_argument("--model", default=str(BUNDLED_MODEL), help="model folder (tokenizer and configs)")
+    parser.add_argument("--served-model-name", default=None, help="model id clients use (default: folder name)")
     parser.add_argument("--dns-refresh", type=float, default=5.0, help="seconds between DNS re-resolutions")
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvrelay.gateway.backend import DisaggregatedBackend
+def build_backend(args: argparse.Namespace, prefill: str, decode: str):
+    from kvrelay.gateway.disaggregated import DisaggregatedBackend
 
-    if not args.prefill or not args.decode:
-        raise SystemExit("kvrelay gateway: both --prefill and --decode are required (HOST:PORT,... or dns:///NAME:PORT)")
+    return DisaggregatedBackend(prefill, decode, args.model, args.served_model_name,
+                                capacity=args.capacity or 256, dns_refresh_s=args.dns_refresh)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvrelay.gateway.app import Gateway, create_app
+    from kvrelay.gateway.tenants import TenantRegistry
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.decode:
+        raise SystemExit("kvrelay gateway: --decode is required (HOST:PORT,... or dns:///NAME:PORT); "
+                         "--prefill is optional (decode workers can prefill locally)")
     try:
-        DisaggregatedBackend(args.prefill.split(","), args.decode.split(","))
-    except RuntimeError as e:
+        backend = build_backend(args, args.prefill, args.decode)
+    except ValueError as e:
         raise SystemExit(f"kvrelay gateway: {e}") from e
-    return 1
+    gateway = Gateway(backend, TenantRegistry(args.tenants), build_quota(args), gateway_config(args))
+    return run_app(create_app(gateway), args)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import subprocess
+import sys
+import threading
 
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.gateway.app import Gateway, GatewayConfig, create_app
@@ -63,12 +66,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.disaggregated:
-        from kvrelay.gateway.backend import DisaggregatedBackend
-
-        try:
-            DisaggregatedBackend([], [])
-        except RuntimeError as e:
-            raise SystemExit(f"kvrelay serve --disaggregated: {e}") from e
+        return run_disaggregated(args)
     backend = LocalBackend(EngineArgs.from_cli(args))
     gateway = Gateway(backend, TenantRegistry(args.tenants), build_quota(args), gateway_config(args))
     return run_app(create_app(gateway), args)
+
+
+def start_worker(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """`kvrelay prefill|decode --port 0` on loopback; returns the process and its address."""
+    cmd = [sys.executable, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", "0", "--model", args.model,
+           "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory)]
+    if args.served_model_name:
+        cmd += ["--served-model-name", args.served_model_name]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # the worker prints "kvrelay <role> listening on HOST:PORT ..."
+        if " listening on " in line:
+            address = line.split(" listening on ")[1].split()[0]
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining its output
+            return proc, address
+    raise SystemExit(f"kvrelay serve --disaggregated: the {role} worker exited with {proc.wait()}")
+
+
+def run_disaggregated(args: argparse.Namespace) -> int:
+    from kvrelay.gateway.cluster import build_backend
+
+    workers = []
+    try:
+        workers.append(start_worker("prefill", args))
+        workers.append(start_worker("decode", args))
+        args.dns_refresh = 5.0
+        backend = build_backend(args, workers[0][1], workers[1][1])
+        gateway = Gateway(backend, TenantRegistry(args.tenants), build_quota(args), gateway_config(args))
+        return run_app(create_app(gateway), args)
+    finally:
+        for proc, _ in workers:
+            proc.terminate()
+        for proc, _ in workers:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()

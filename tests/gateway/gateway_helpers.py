@@ -49,7 +49,7 @@ class RedisServer:
 class InProcessGateway:
     """A real uvicorn server on a free loopback port, in a thread, with the real engine."""
 
-    def __init__(self, tenants_file=None, config=None, quota=None, engine_kwargs=None):
+    def __init__(self, tenants_file=None, config=None, quota=None, engine_kwargs=None, backend=None):
         import threading
 
         import uvicorn
@@ -58,8 +58,8 @@ class InProcessGateway:
         from kvrelay.gateway.backend import LocalBackend
         from kvrelay.gateway.tenants import TenantRegistry
 
-        self.gateway = Gateway(LocalBackend(EngineArgs(**(engine_kwargs or {}))), TenantRegistry(tenants_file),
-                               quota, config)
+        backend = backend or LocalBackend(EngineArgs(**(engine_kwargs or {})))
+        self.gateway = Gateway(backend, TenantRegistry(tenants_file), quota, config)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.gateway), host="127.0.0.1", port=self.port,
                                                     log_level="warning", access_log=False))
@@ -138,3 +138,36 @@ class GatewayProcess:
                 self.proc.kill()
                 self.proc.wait(5)
         self.log.close()
+
+
+class WorkerProcess:
+    """A real `kvrelay prefill|decode` worker on a free loopback port."""
+
+    def __init__(self, role: str) -> None:
+        import sys
+        import threading
+
+        self.role = role
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", "0"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.address = None
+        for line in self.proc.stdout:
+            if " listening on " in line:
+                self.address = line.split(" listening on ")[1].split()[0]
+                break
+        if self.address is None:
+            raise RuntimeError(f"{role} worker exited with {self.proc.wait()}")
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)

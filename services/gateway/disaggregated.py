@@ -1,0 +1,209 @@
+"""The backend over prefill and decode workers (`kvrelay gateway`, `kvrelay serve --disaggregated`).
+
+For each request: pick a decode worker by load, pick prefill workers by prefix affinity and
+load (`routing.WorkerPool`), and call the decode worker's Generate with that prefill list
+(the decode worker pulls the KV from the first prefill worker that succeeds). A decode worker
+that fails before the first token (unreachable, no capacity) is retried on another one.
+
+Each worker's load stream (`kvrelay.kvtransfer.client.watch_load`) feeds the pools; a broken
+stream ejects the worker at once, a silent one after `eject_after_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+from kvrelay.engine.block_pool import prompt_block_hashes
+from kvrelay.engine.outputs import EngineStats
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.gateway.routing import Discovery, WorkerPool
+
+log = logging.getLogger(__name__)
+
+MAX_AFFINITY_BLOCKS = 64  # leading blocks hashed for prefill affinity
+PREFILL_CANDIDATES = 2  # prefill workers the decode worker may try, in order
+DECODE_ATTEMPTS = 3
+
+
+class DisaggregatedBackend:
+    roles = ("prefill", "decode")
+
+    def __init__(self, prefill: str, decode: str, model: str, served_model_name: str | None = None,
+                 capacity: int = 256, dns_refresh_s: float = 5.0, eject_after_s: float = 1.0,
+                 load_interval_s: float = 0.2):
+        from kvrelay.kvtransfer import client  # noqa: F401 - fail early if the workers' client is missing
+
+        self.model_dir = Path(model)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.model_name = served_model_name or self.model_dir.name
+        self.capacity = capacity
+        self.load_interval_s = load_interval_s
+        self.prefill = WorkerPool("prefill", eject_after_s)
+        self.decode = WorkerPool("decode", eject_after_s)
+        self._discovery = [Discovery(self.prefill, prefill, dns_refresh_s),
+                           Discovery(self.decode, decode, dns_refresh_s)]
+        config = _read_json(self.model_dir / "config.json")
+        self._config_max_len = int(config.get("max_position_embeddings", 2048))
+        self._reported_max_len: int | None = None
+        self._block_size = 16
+        self._generation_config = _read_json(self.model_dir / "generation_config.json")
+        self._watchers: dict[tuple[str, str], asyncio.Task] = {}
+        self._clients: dict[str, object] = {}
+        self._where: dict[str, str] = {}  # request id -> decode worker serving it
+        self._supervisor: asyncio.Task | None = None
+        self.retries = 0  # requests moved to another decode worker after a failure before the first token
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        for d in self._discovery:
+            await d.start()
+        self._supervise_once()
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def shutdown(self) -> None:
+        for d in self._discovery:
+            await d.stop()
+        tasks = [t for t in [self._supervisor, *self._watchers.values()] if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in self._clients.values():
+            await c.close()
+
+    async def _supervise(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            self._supervise_once()
+
+    def _supervise_once(self) -> None:
+        """One load watcher per current member; watchers of members that left are stopped."""
+        wanted = {(pool.role, a) for pool in (self.prefill, self.decode) for a in pool.workers}
+        for key in set(self._watchers) - wanted:
+            self._watchers.pop(key).cancel()
+        for role, address in wanted - set(self._watchers):
+            pool = self.prefill if role == "prefill" else self.decode
+            self._watchers[(role, address)] = asyncio.get_running_loop().create_task(self._watch(pool, address))
+
+    async def _watch(self, pool: WorkerPool, address: str) -> None:
+        from kvrelay.kvtransfer.client import watch_load
+
+        while address in pool.workers:
+            try:
+                async for r in watch_load(address, self.load_interval_s):
+                    pool.report(address, num_waiting=r.num_waiting, num_running=r.num_running,
+                                kv_blocks_free=r.kv_blocks_free, kv_blocks_total=r.kv_blocks_total,
+                                cached_blocks=r.prefix_hashes_current)
+                    self._reported_max_len = r.max_model_len
+                    self._block_size = r.layout.block_size
+                    if r.draining:
+                        break
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any broken stream means: not usable now
+                log.warning("%s worker %s ejected: %s", pool.role, address, e)
+            worker = pool.workers.get(address)
+            if worker is not None:
+                worker.last_report = 0.0  # ejected until its stream is back
+            await asyncio.sleep(0.5)
+
+    # ------------------------------------------------------------------ the backend API
+
+    @property
+    def max_model_len(self) -> int:
+        return self._reported_max_len or self._config_max_len
+
+    def ready(self) -> bool:
+        return bool(self.decode.live())
+
+    def stats(self) -> EngineStats | None:
+        workers = self.decode.live() + self.prefill.live()
+        if not workers:
+            return None
+        return EngineStats(
+            num_waiting=sum(w.num_waiting for w in workers), num_running=sum(w.num_running for w in workers),
+            kv_blocks_total=sum(w.kv_blocks_total for w in self.decode.live()),
+            kv_blocks_free=sum(w.kv_blocks_free for w in self.decode.live()),
+            prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+            prompt_tokens_total=0, generation_tokens_total=0)
+
+    def default_sampling_params(self) -> SamplingParams:
+        g, params = self._generation_config, SamplingParams()
+        if g.get("do_sample") is False:
+            params.temperature = 0.0
+        for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
+            if key in g and not (key == "temperature" and g.get("do_sample") is False):
+                setattr(params, key, g[key])
+        return params
+
+    def _client(self, address: str):
+        from kvrelay.kvtransfer.client import DecodeClient
+
+        if address not in self._clients:
+            self._clients[address] = DecodeClient(address)
+        return self._clients[address]
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str, priority: int = 0):
+        from kvrelay.kvtransfer.errors import NoCapacityError, WorkerUnavailableError
+
+        ids = prompt if isinstance(prompt, list) else self.tokenizer.encode_prompt(prompt)
+        hashes = prompt_block_hashes(ids[: MAX_AFFINITY_BLOCKS * self._block_size], self._block_size)
+        tried: set[str] = set()
+        last_error: Exception | None = None
+        for _ in range(DECODE_ATTEMPTS):
+            decode = self.decode.pick_decode(exclude=tried)
+            if decode is None:
+                break
+            prefills = []
+            for _ in range(PREFILL_CANDIDATES):
+                p = self.prefill.pick_prefill(hashes, exclude=[w.address for w in prefills])
+                if p is None:
+                    break
+                prefills.append(p)
+            started = False
+            decode.inflight += 1
+            for p in prefills:
+                p.inflight += 1
+            self._where[request_id] = decode.address
+            stream = self._client(decode.address).generate(
+                ids, params, request_id, prefill_addr=[p.address for p in prefills] or None, priority=priority)
+            try:
+                async for out in stream:
+                    if not started:
+                        started = True
+                        for p in prefills:  # prefill is done once the first token exists
+                            p.inflight -= 1
+                    yield out
+                return
+            except (WorkerUnavailableError, NoCapacityError) as e:
+                if started:
+                    raise
+                log.warning("decode worker %s failed before the first token, retrying elsewhere: %s",
+                            decode.address, e)
+                tried.add(decode.address)
+                self.retries += 1
+                last_error = e
+            finally:
+                decode.inflight -= 1
+                if not started:
+                    for p in prefills:
+                        p.inflight -= 1
+                self._where.pop(request_id, None)
+                await stream.aclose()
+        raise last_error or WorkerUnavailableError("no live decode worker")
+
+    async def abort(self, request_id: str) -> None:
+        address = self._where.get(request_id)
+        if address is not None:
+            await self._client(address).abort(request_id)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}

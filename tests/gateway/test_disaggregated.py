@@ -1,0 +1,93 @@
+"""The gateway in front of real prefill and decode worker processes (gRPC), as `kvrelay gateway` runs."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from gateway_helpers import InProcessGateway, WorkerProcess, free_port
+from kvrelay.gateway.disaggregated import DisaggregatedBackend
+
+from kvrelay.models import BUNDLED_MODEL
+
+MODEL = "stories260K"
+
+
+@pytest.fixture(scope="module")
+def workers():
+    started = []
+    try:
+        for role in ("prefill", "decode", "decode"):
+            started.append(WorkerProcess(role))
+        yield started
+    finally:
+        for w in started:
+            w.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster_gateway(workers):
+    prefill, d1, d2 = workers
+    backend = DisaggregatedBackend(prefill.address, f"{d1.address},{d2.address}", str(BUNDLED_MODEL))
+    gw = InProcessGateway(backend=backend)
+    deadline = time.monotonic() + 30
+    while len(backend.decode.live()) < 2 or not backend.prefill.live():
+        assert time.monotonic() < deadline, "workers never reported their load"
+        time.sleep(0.05)
+    yield gw
+    gw.stop()
+
+
+def test_completions_through_workers_match_the_local_engine(cluster_gateway, open_gateway):
+    remote = openai.OpenAI(base_url=cluster_gateway.url + "/v1", api_key="x", max_retries=0)
+    local = openai.OpenAI(base_url=open_gateway.url + "/v1", api_key="x", max_retries=0)
+    kwargs = {"model": MODEL, "prompt": "Once upon a time, there was a little girl named Lily. She loved",
+              "max_tokens": 24, "temperature": 0}
+    expected = local.completions.create(**kwargs).choices[0].text
+    assert remote.completions.create(**kwargs).choices[0].text == expected
+    chunks = list(remote.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    chat = remote.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert chat.usage.completion_tokens == 5
+    metrics = httpx.get(cluster_gateway.url + "/metrics").text
+    assert 'kvrelay:gateway_queue_depth{model="stories260K",role="prefill"} 0.0' in metrics
+    assert 'kvrelay:gateway_queue_depth{model="stories260K",role="decode"} 0.0' in metrics
+
+
+async def test_decode_failing_before_first_token_is_retried_elsewhere(workers):
+    """A backend whose pool holds a dead address that still looks live and least loaded."""
+    prefill, d1, _ = workers
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there: a real gRPC connection failure
+    backend = DisaggregatedBackend(prefill.address, f"{dead},{d1.address}", str(BUNDLED_MODEL))
+    # No start(): no load watchers, so the test sets the pools' view itself.
+    for d in backend._discovery:
+        await d.refresh()
+    backend.prefill.report(prefill.address, num_waiting=0, num_running=0, kv_blocks_free=100, kv_blocks_total=100)
+    backend.decode.report(dead, num_waiting=0, num_running=0, kv_blocks_free=100, kv_blocks_total=100)
+    backend.decode.report(d1.address, num_waiting=5, num_running=50, kv_blocks_free=100, kv_blocks_total=100)
+    assert backend.decode.pick_decode().address == dead
+    params = backend.default_sampling_params()
+    params.max_tokens, params.temperature = 3, 0.0
+    outs = [o async for o in backend.generate(backend.tokenizer.encode_prompt("Once"), params, "retry-1")]
+    assert sum(len(o.new_token_ids) for o in outs) == 3 and outs[-1].finish_reason == "length"
+    assert backend.retries == 1
+    await backend.shutdown()
+
+
+def test_killed_decode_worker_is_ejected_and_traffic_continues(cluster_gateway, workers):
+    backend: DisaggregatedBackend = cluster_gateway.gateway.backend
+    victim = workers[2]
+    victim.kill()
+    t0 = time.monotonic()
+    while victim.address in {w.address for w in backend.decode.live()}:
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.02)
+    ejected_after = time.monotonic() - t0
+    print(f"\ndecode worker ejected {ejected_after * 1000:.0f} ms after SIGKILL")
+    for _ in range(6):
+        r = httpx.post(cluster_gateway.url + "/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "Once", "max_tokens": 2})
+        assert r.status_code == 200
+    assert httpx.get(cluster_gateway.url + "/ready").status_code == 200
