@@ -63,6 +63,7 @@ class Bench:
         self.peak_tflops = peak_tflops
         self.iters = iters
         self.rows: list[Row] = []
+        self.tag = ""  # appended to kernel names while sweeping launch configs
 
     def time_ms(self, fn: Callable[[], object]) -> float:
         if self.smoke:  # the interpreter: one call, wall clock (meaningless, but exercises the path)
@@ -88,12 +89,12 @@ class Bench:
         err, ok = self.check(got, want, atol, rtol)
         triton_ms = self.time_ms(triton_fn)
         torch_ms = self.time_ms(torch_fn) if torch_fn is not None else None
-        row = Row(kernel, shape, triton_ms, torch_ms, torch_label, nbytes, flops, err, ok)
+        row = Row(kernel + self.tag, shape, triton_ms, torch_ms, torch_label, nbytes, flops, err, ok)
         self.rows.append(row)
         print(format_row(row, self.peak_gbs, self.peak_tflops), flush=True)
 
 
-HEADER = (f"{'kernel':<18} {'shape':<34} {'triton ms':>10} {'rate':>16} {'% peak':>7} | "
+HEADER = (f"{'kernel':<32} {'shape':<34} {'triton ms':>10} {'rate':>16} {'% peak':>7} | "
           f"{'torch path':<14} {'ms':>9} {'rate':>16} {'speedup':>8} | {'max err':>8} ok")
 
 
@@ -116,7 +117,7 @@ def format_row(r: Row, peak_gbs: float, peak_tflops: float) -> str:
     else:
         trate = _rate(r.torch_ms, r.nbytes, r.flops, peak_gbs, peak_tflops)[0]
         tms, speed = f"{r.torch_ms:9.3f}", f"{r.torch_ms / r.triton_ms:7.2f}x"
-    return (f"{r.kernel:<18} {r.shape:<34} {r.triton_ms:10.3f} {rate:>16} {pct:>7} | "
+    return (f"{r.kernel:<32} {r.shape:<34} {r.triton_ms:10.3f} {rate:>16} {pct:>7} | "
             f"{r.torch_label:<14} {tms:>9} {trate:>16} {speed:>8} | {r.max_err:8.1e} {'yes' if r.ok else 'NO'}")
 
 
@@ -271,12 +272,33 @@ def bench_int8(b: Bench, ops, ref, shapes):
               nbytes=nbytes if m <= 64 else None, flops=flops if m > 64 else None, atol=5e-2, rtol=2e-2)
 
 
+def sweep_configs(b: Bench, ops, ref, smoke: bool) -> None:
+    """Re-run the target shapes under alternative launch configs, for tuning on the device."""
+    from kvrelay.kernels import triton_decode_attention, triton_prefill_attention
+
+    default_stages = triton_decode_attention.DECODE_STAGES
+    for stages in (5,):  # 3 (default) keeps one K/V tile in flight per program, 5 two
+        triton_decode_attention.DECODE_STAGES = stages
+        b.tag = f"[stages={stages}]"
+        bench_decode(b, ops, ref, [(2, 40, 4, 2, 64)] if smoke else [(32, 4096, 32, 8, 128), (64, 4096, 32, 8, 128)])
+    triton_decode_attention.DECODE_STAGES = default_stages
+    default_tiles = triton_prefill_attention._tile_config
+    for tiles in ((128, 128, 8, 2), (128, 64, 8, 5), (128, 32, 4, 3), (64, 64, 4, 3)):
+        triton_prefill_attention._tile_config = lambda head_dim, dtype, tiles=tiles: tiles
+        b.tag = "[{}x{} w{} s{}]".format(*tiles)
+        bench_prefill(b, ops, ref, [(2, 8, 20, 4, 2, 64)] if smoke else [(1, 0, 4096, 32, 8, 128)])
+    triton_prefill_attention._tile_config = default_tiles
+    b.tag = ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny shapes on CPU in Triton's interpreter: checks correctness, times nothing useful")
     parser.add_argument("--only", default="", help="comma-separated kernel families: decode,prefill,elementwise,"
                         "blocks,int8")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time decode/prefill attention under alternative launch configs (tuning)")
     parser.add_argument("--iters-ms", type=int, default=100, help="measuring time per case for do_bench")
     parser.add_argument("--peak-gbs", type=float, default=4800.0, help="HBM peak GB/s (H200: 4800)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak TFLOP/s (H200: 989)")
@@ -316,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                 (1, 0, 4096, 32, 8, 128), (1, 0, 8192, 32, 8, 128), (1, 2048, 2048, 32, 8, 128),
                 (4, 0, 1024, 32, 8, 128), (1, 0, 4096, 32, 8, 64),
             ])
+        if args.sweep:
+            sweep_configs(bench, ops, ref, smoke)
         if "elementwise" in families:
             if smoke:
                 bench_elementwise(bench, ops, ref, 5, 64, 48, 4, 2, 16)

@@ -20,6 +20,9 @@ from kvrelay.kernels.triton_common import dot_in_fp32, interpreting, on_device, 
 # A split covers at least this many tokens: shorter splits cost more in the reduction than they save.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
+# Software-pipelining depth on the GPU. With the block-table indirection, 3 keeps one K/V tile in
+# flight per program (39 KB shared, ~4 programs per SM); 5 double-buffers it (72 KB, 3 per SM).
+DECODE_STAGES = 3
 
 
 @triton.jit
@@ -177,7 +180,7 @@ def paged_decode_attention(
         scale * math.log2(math.e), group, num_heads, tokens_per_split, num_splits, max_context,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=pow2(group, 16 if use_dot else 1), BLOCK_N=block_n, BLOCK_D=block_d,
         USE_DOT=use_dot, DOT_FP32=use_dot and dot_in_fp32(q.dtype), SPLIT=split,
-        num_warps=4, num_stages=1 if interpreting() else 3,
+        num_warps=4, num_stages=1 if interpreting() else DECODE_STAGES,
     )
     if split:
         _combine_splits_kernel[(batch, num_heads)](

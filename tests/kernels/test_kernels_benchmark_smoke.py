@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_benchmark_script_cpu_smoke_runs_every_kernel_correctly():
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "kernels_gpu.py"), "--cpu-smoke"],
+        [sys.executable, str(ROOT / "benchmarks" / "kernels_gpu.py"), "--cpu-smoke", "--sweep"],
         cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
@@ -24,6 +24,8 @@ def test_benchmark_script_cpu_smoke_runs_every_kernel_correctly():
                    "rotary_embedding", "write_kv", "gather_blocks", "scatter_blocks", "quantize_int8",
                    "int8_matmul"):
         assert any(line.startswith(kernel + " ") and line.endswith(" yes") for line in lines), kernel
+    assert any(line.startswith("decode_attention[stages=5]") for line in lines)
+    assert any(line.startswith("prefill_attention[128x128 w8 s2]") for line in lines)
     assert "all correct" in lines[-1]
 
 
