@@ -11,8 +11,13 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvrelay.engine.cli_generate", "generate completions for prompts offline"),
-    "serve": ("kvrelay.gateway.serve", "OpenAI-compatible server: gateway + in-process engine, bundled model"),
+    "serve": (
+        "kvrelay.gateway.serve",
+        "OpenAI-compatible server: gateway + in-process engine, bundled model",
+    ),
     "gateway": ("kvrelay.gateway.cluster", "cluster gateway in front of prefill/decode workers"),
+    "prefill": ("kvrelay.prefill.cli", "prefill worker: computes prompts' KV cache and hands it to decode workers"),
+    "decode": ("kvrelay.decode.cli", "decode worker: pulls prefilled KV blocks over gRPC and generates tokens"),
     "operator": ("kvrelay.operator.cli", "run the Kubernetes operator for InferenceService resources"),
 }
 
