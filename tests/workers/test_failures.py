@@ -266,3 +266,26 @@ async def test_lease_expires_when_decode_never_acknowledges():
         await assert_all_free(pair.prefill.engine)
     finally:
         await stop_pair(pair)
+
+
+async def test_unreachable_workers_fail_fast_or_fall_back():
+    pair = await start_pair()
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    try:
+        want = await reference_tokens(PROMPT[:60], GREEDY)
+        got = await asyncio.wait_for(_tokens(pair.client.generate(PROMPT[:60], GREEDY, prefill_addr=dead)), 20)
+        assert got == want
+        assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 1
+        async with DecodeClient(dead) as nobody:
+            with pytest.raises(WorkerUnavailableError, match="unreachable"):
+                await asyncio.wait_for(_tokens(nobody.generate(PROMPT[:60], GREEDY)), 20)
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+
+
+def test_workers_exit_cleanly_on_sigterm(spawn):
+    for role in ("prefill", "decode"):
+        w = spawn(role)
+        w.stop()
+        assert w.proc.returncode == 0, "".join(w.lines)
