@@ -43,3 +43,36 @@ def test_bundled_model_is_packaged():
 
     for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "LICENSE"):
         assert (BUNDLED_MODEL / name).is_file(), name
+
+
+def test_wheel_carries_every_subpackage_and_the_bundled_model(tmp_path):
+    import zipfile
+
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("kvrelay-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for module in (
+        "kvrelay/cli.py",
+        "kvrelay/engine/llm_engine.py",
+        "kvrelay/kernels/registry.py",
+        "kvrelay/operator/__init__.py",
+        "kvrelay/models/stories260K/model.safetensors",
+        "kvrelay/models/stories260K/LICENSE",
+    ):
+        assert module in names, module
+    assert not any(n.startswith("operator/") for n in names)
