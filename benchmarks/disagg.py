@@ -106,41 +106,18 @@ async def one_request(client: DecodeClient, prompt: list[int], params, prefill_a
     return ttft, (n - 1) / decode_s if decode_s > 0 else float("nan")
 
 
-async def run_config(name: str, decode: Worker, prefill: Worker | None, lengths: list[int], runs: int,
-                     rng: random.Random) -> dict[int, dict]:
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    results = {}
-    async with DecodeClient(decode.addr) as client:
-        await one_request(client, [rng.randrange(3, 512) for _ in range(64)], params,
-                          prefill.addr if prefill else None)  # warm-up
-        for n in lengths:
-            b0, s0, o0 = (decode.metric("kvrelay:kv_transfer_bytes_total"),
-                          decode.metric("kvrelay:kv_transfer_seconds_sum"),
-                          decode.metric("kvrelay:kv_transfer_overlapped_bytes_total"))
-            p0 = prefill.metric("kvrelay:time_to_first_token_seconds_sum") if prefill else 0.0
-            ttfts, tps = [], []
-            for _ in range(runs):
-                prompt = [rng.randrange(3, 512) for _ in range(n)]  # fresh: no prefix-cache hits
-                ttft, rate = await one_request(client, prompt, params, prefill.addr if prefill else None)
-                ttfts.append(ttft)
-                tps.append(rate)
-            b, s, o = (decode.metric("kvrelay:kv_transfer_bytes_total") - b0,
-                       decode.metric("kvrelay:kv_transfer_seconds_sum") - s0,
-                       decode.metric("kvrelay:kv_transfer_overlapped_bytes_total") - o0)
-            prefill_ttft = (prefill.metric("kvrelay:time_to_first_token_seconds_sum") - p0) / runs if prefill else 0
-            results[n] = {"ttft": statistics.median(ttfts), "tps": statistics.median(tps),
-                          "mb": b / runs / 1e6, "gbps": b / s / 1e9 if s else float("nan"),
-                          "overlap": o / b if b else float("nan"),
-                          "exposed": statistics.mean(ttfts) - prefill_ttft}
-            r = results[n]
-            line = f"  {name:<22} {n:>5} tokens: TTFT {r['ttft'] * 1000:8.1f} ms  decode {r['tps']:6.1f} tok/s"
-            if b:
-                # Streamed chunks leave while the prompt computes: their "speed" measures compute, not the wire.
-                speed = "overlaps compute" if o else f"{r['gbps']:5.2f} GB/s"
-                line += (f"  KV {r['mb']:6.1f} MB, {speed}, sent during compute {r['overlap']:4.0%}, "
-                         f"TTFT beyond prefill {r['exposed'] * 1000:6.1f} ms")
-            print(line, flush=True)
-    return results
+CONFIGS = (  # name, prefill worker flags (None: no prefill worker, the decode worker prefills)
+    ("single process", None),
+    ("disagg, after prefill", ("--stream-min-tokens", "1000000")),
+    ("disagg, layer-streamed", ("--stream-min-tokens", "0", "--layer-group-size", "1")),
+)
+COUNTERS = ("kvrelay:kv_transfer_bytes_total", "kvrelay:kv_transfer_seconds_sum",
+            "kvrelay:kv_transfer_overlapped_bytes_total")
+
+
+def counters(decode: Worker, prefill: Worker | None) -> tuple[float, ...]:
+    p = prefill.metric("kvrelay:time_to_first_token_seconds_sum") if prefill else 0.0
+    return (*(decode.metric(c) for c in COUNTERS), p)
 
 
 async def main() -> None:
@@ -151,31 +128,60 @@ async def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     cores = sorted(os.sched_getaffinity(0))
     core_a, core_b = cores[0], cores[1] if len(cores) > 1 else None
-    print(f"cores available: {cores}; prefill on core {core_a}, decode on core {core_b}; 1 torch thread each")
+    print(f"cores available: {cores}; prefill workers and the single process on core {core_a}, decode workers "
+          f"on core {core_b}; 1 torch thread each; the configurations take turns request by request")
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp))
-        all_results = {}
-        for name, prefill_extra in (("single process", None),
-                                    ("disagg, after prefill", ("--stream-min-tokens", "1000000")),
-                                    ("disagg, layer-streamed", ("--stream-min-tokens", "0", "--layer-group-size", "1"))):
-            rng = random.Random(0)
-            decode = Worker("decode", model, core_b if prefill_extra else core_a, free_port())
-            prefill = Worker("prefill", model, core_a, free_port(), *prefill_extra) if prefill_extra else None
-            try:
-                all_results[name] = await run_config(name, decode, prefill, lengths, args.runs, rng)
-            finally:
-                decode.stop()
-                if prefill:
-                    prefill.stop()
-        print("\nsummary (medians)")
-        base = all_results["single process"]
-        for name in ("disagg, after prefill", "disagg, layer-streamed"):
+        workers: dict[str, tuple[Worker, Worker | None]] = {}
+        try:
+            for name, flags in CONFIGS:
+                decode = Worker("decode", model, core_b if flags else core_a, free_port())
+                workers[name] = (decode, Worker("prefill", model, core_a, free_port(), *flags) if flags else None)
+            clients = {name: DecodeClient(d.addr) for name, (d, _) in workers.items()}
+            for name, (_, p) in workers.items():  # warm-up
+                await one_request(clients[name], [rng.randrange(3, 512) for _ in range(64)], params,
+                                  p.addr if p else None)
+            results: dict[str, dict[int, dict]] = {name: {} for name in workers}
             for n in lengths:
-                r = all_results[name][n]
-                added = r["ttft"] / base[n]["ttft"] - 1
-                speed = "" if r["overlap"] else f", KV {r['gbps']:.2f} GB/s"
-                print(f"  {name:<22} {n:>5} tokens: TTFT {added:+6.1%} vs single process{speed}, "
-                      f"hand-off beyond prefill {r['exposed'] * 1000:.1f} ms, sent during compute {r['overlap']:.0%}")
+                before = {name: counters(d, p) for name, (d, p) in workers.items()}
+                samples: dict[str, list[tuple[float, float]]] = {name: [] for name in workers}
+                for _ in range(args.runs):
+                    prompt = [rng.randrange(3, 512) for _ in range(n)]  # fresh: no prefix-cache hits
+                    for name, (_, p) in workers.items():
+                        samples[name].append(await one_request(clients[name], prompt, params, p.addr if p else None))
+                for name, (d, p) in workers.items():
+                    b, s, o, pt = (x - y for x, y in zip(counters(d, p), before[name]))
+                    ttfts = [t for t, _ in samples[name]]
+                    r = results[name][n] = {
+                        "ttft": statistics.median(ttfts), "tps": statistics.median(r for _, r in samples[name]),
+                        "mb": b / args.runs / 1e6, "gbps": b / s / 1e9 if s else float("nan"),
+                        "overlap": o / b if b else float("nan"),
+                        "exposed": statistics.mean(ttfts) - pt / args.runs}
+                    line = f"  {name:<22} {n:>5} tokens: TTFT {r['ttft'] * 1000:8.1f} ms  decode {r['tps']:6.1f} tok/s"
+                    if b:
+                        # Streamed chunks leave while the prompt computes: their "speed" measures compute.
+                        speed = "overlaps compute" if o else f"{r['gbps']:5.2f} GB/s"
+                        line += (f"  KV {r['mb']:6.1f} MB, {speed}, sent during compute {r['overlap']:4.0%}, "
+                                 f"TTFT beyond prefill {r['exposed'] * 1000:6.1f} ms")
+                    print(line, flush=True)
+            for c in clients.values():
+                await c.close()
+        finally:
+            for d, p in workers.values():
+                d.stop()
+                if p:
+                    p.stop()
+    print("\nsummary (medians; TTFT beyond prefill = client TTFT - the prefill worker's own queue+compute time)")
+    base = results["single process"]
+    for name in ("disagg, after prefill", "disagg, layer-streamed"):
+        for n in lengths:
+            r = results[name][n]
+            speed = "" if r["overlap"] else f", KV {r['gbps']:.2f} GB/s"
+            print(f"  {name:<22} {n:>5} tokens: TTFT {r['ttft'] / base[n]['ttft'] - 1:+6.1%} vs single process{speed}, "
+                  f"hand-off beyond prefill {r['exposed'] * 1000:.1f} ms ({r['exposed'] / base[n]['ttft']:.1%} of "
+                  f"single-process TTFT), sent during compute {r['overlap']:.0%}")
 
 
 if __name__ == "__main__":
