@@ -216,13 +216,9 @@ class _BatchWriter:
             await self._write(batch)
 
     async def drain(self) -> None:
-        while self._task is not None and not (self._task.done() and not self._pending):
-            if self._task.done():
-                self._task.result()
-                self._task = asyncio.create_task(self._loop())
-            await self._task
+        """Wait until every added chunk is written (add() keeps a task running while any is pending)."""
         if self._task is not None:
-            self._task.result()
+            await self._task  # raises if a write failed
 
     async def close(self) -> None:
         """Stop writing: the caller frees the blocks after this returns."""

@@ -48,6 +48,32 @@ class _Handoff:
     done_sent: bool = False
 
 
+class _PipelinedWriter:
+    """One chunk in flight while the caller encodes the next (gRPC allows one outstanding
+    write per stream), so checksum and copies overlap the socket work."""
+
+    def __init__(self, context):
+        self.context = context
+        self._task: asyncio.Task | None = None
+
+    async def write(self, msg, on_sent) -> None:
+        await self.flush()
+        self._task = asyncio.create_task(self._write(msg, on_sent))
+
+    async def _write(self, msg, on_sent) -> None:
+        await self.context.write(msg)
+        on_sent()
+
+    async def flush(self) -> None:
+        if self._task is not None:
+            task, self._task = self._task, None
+            await task
+
+    def cancel(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
 class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
     role = "prefill"
 
@@ -143,53 +169,68 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
 
     async def _send_loop(self, h: _Handoff, context) -> str:
         """Forward chunks and the first token to the decode worker; returns why the hand-off ended."""
-        lease = h.lease
-        while True:
-            ev = await h.events.get()
-            kind = ev[0]
-            if kind == "chunk":
-                _, r, t = ev
-                msg = kv_pb2.PrefillServerMessage()
-                size = fill_chunk(msg.chunk, self._layout_msg, r, lease.num_tokens, t)
-                await context.write(msg)
-                h.bytes_sent += size
-                if not lease.compute_done:
-                    h.bytes_before_compute_done += size
-                lease.renew(self.options.lease_seconds)
-                if self.options.debug_chunk_delay_s:
-                    await asyncio.sleep(self.options.debug_chunk_delay_s)
-            elif kind == "done":
-                _, out, seconds = ev
-                done = kv_pb2.PrefillDone(
-                    first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
-                    total_bytes=h.bytes_sent, bytes_before_compute_done=h.bytes_before_compute_done,
-                    prefill_seconds=seconds, has_logprob=bool(out.logprobs))
-                if out.logprobs:
-                    done.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
-                await context.write(kv_pb2.PrefillServerMessage(done=done))
-                h.done_sent = True
-                lease.renew(self.options.lease_seconds)
-            elif kind == "ack":
-                if not h.done_sent:
-                    raise_reason = "ack before the hand-off completed"
-                    await context.write(kv_pb2.PrefillServerMessage(aborted=kv_pb2.PrefillAborted(reason=raise_reason)))
-                    return "protocol_error"
+        out = _PipelinedWriter(context)
+        try:
+            while True:
+                ev = await h.events.get()
+                if ev[0] == "chunk":
+                    _, r, t = ev
+                    msg = kv_pb2.PrefillServerMessage()
+                    size = fill_chunk(msg.chunk, self._layout_msg, r, h.lease.num_tokens, t)
+                    await out.write(msg, lambda size=size: self._chunk_sent(h, size))
+                    if self.options.debug_chunk_delay_s:
+                        await out.flush()
+                        await asyncio.sleep(self.options.debug_chunk_delay_s)
+                    continue
+                await out.flush()  # every chunk is out before any other message
+                reason = await self._handle_event(h, ev, context)
+                if reason is not None:
+                    return reason
+        finally:
+            out.cancel()
+
+    def _chunk_sent(self, h: _Handoff, size: int) -> None:
+        h.bytes_sent += size
+        if not h.lease.compute_done:
+            h.bytes_before_compute_done += size
+        h.lease.renew(self.options.lease_seconds)
+
+    async def _handle_event(self, h: _Handoff, ev: tuple, context) -> str | None:
+        """A non-chunk event; returns why the hand-off ends, or None to continue."""
+        lease, kind = h.lease, ev[0]
+        if kind == "done":
+            _, out, seconds = ev
+            done = kv_pb2.PrefillDone(
+                first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
+                total_bytes=h.bytes_sent, bytes_before_compute_done=h.bytes_before_compute_done,
+                prefill_seconds=seconds, has_logprob=bool(out.logprobs))
+            if out.logprobs:
+                done.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
+            await context.write(kv_pb2.PrefillServerMessage(done=done))
+            h.done_sent = True
+            lease.renew(self.options.lease_seconds)
+            return None
+        if kind == "ack":
+            if h.done_sent:
                 return "ack"
-            elif kind == "abort":
-                return "decode_abort"
-            elif kind == "gone":
-                return "stream_broken"
-            elif kind in ("client_abort", "lease_expired", "shutdown"):
-                lease.release_reason = kind
-                await context.write(kv_pb2.PrefillServerMessage(aborted=kv_pb2.PrefillAborted(reason=ev[1])))
-                return kind
-            elif kind == "error":
-                exc = ev[1]
-                if isinstance(exc, InvalidRequestError):
-                    await abort_with(context, exc)
-                reason = f"prefill failed: {exc}"
-                await context.write(kv_pb2.PrefillServerMessage(aborted=kv_pb2.PrefillAborted(reason=reason)))
-                return "error"
+            why = "ack before the hand-off completed"
+            await context.write(kv_pb2.PrefillServerMessage(aborted=kv_pb2.PrefillAborted(reason=why)))
+            return "protocol_error"
+        if kind == "abort":
+            return "decode_abort"
+        if kind == "gone":
+            return "stream_broken"
+        if kind in ("client_abort", "lease_expired", "shutdown"):
+            lease.release_reason = kind
+            await context.write(kv_pb2.PrefillServerMessage(aborted=kv_pb2.PrefillAborted(reason=ev[1])))
+            return kind
+        # kind == "error": the prefill itself failed
+        exc = ev[1]
+        if isinstance(exc, InvalidRequestError):
+            await abort_with(context, exc)
+        why = f"prefill failed: {exc}"
+        await context.write(kv_pb2.PrefillServerMessage(aborted=kv_pb2.PrefillAborted(reason=why)))
+        return "error"
 
     async def _compute(self, h: _Handoff, ids: list[int], params, priority: int) -> None:
         lease = h.lease
@@ -198,6 +239,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             out = None
             async for out in self.engine.generate(ids, params, lease.lease_id, priority, hold_blocks=True):
                 pass
+            if out is None or not out.new_token_ids:
+                raise EngineDeadError(f"the prefill ended without a token ({out and out.finish_reason})")
             lease.compute_done = True
             lease.renew(self.options.lease_seconds)
             self.metrics.ttft.observe(time.monotonic() - t0)  # queue + compute on this worker
@@ -208,7 +251,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             h.events.put_nowait(("done", out, time.monotonic() - t0))
         except asyncio.CancelledError:
             raise
-        except (InvalidRequestError, EngineDeadError, Exception) as e:  # noqa: BLE001 - reported to the decode side
+        except Exception as e:  # noqa: BLE001 - every failure is reported to the decode side
             log.warning("prefill of %s failed: %s", lease.request_id, e)
             h.events.put_nowait(("error", e))
 
