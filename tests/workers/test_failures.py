@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.kvtransfer.client import DecodeClient
+from kvrelay.kvtransfer.client import DecodeClient, watch_load
 from kvrelay.kvtransfer.errors import LayoutMismatchError, NoCapacityError, WorkerUnavailableError
 from kvrelay.kvtransfer.worker_base import WorkerOptions
 from pd_helpers import (
@@ -90,10 +90,18 @@ async def test_decode_killed_mid_transfer_frees_prefill_blocks(spawn):
     decode = spawn("decode", "--max-message-bytes", "16KiB")
     client = DecodeClient(decode.addr)
     task = asyncio.create_task(_tokens(client.generate(PROMPT, GREEDY, "kill-d", prefill_addr=prefill.addr)))
+
+    async def watch_until_dead():
+        async for _ in watch_load(decode.addr, interval_s=0.1):
+            pass
+
+    watcher = asyncio.create_task(watch_until_dead())
     try:
         await _handoff_started(prefill.addr)
         assert not (await load_report(prefill.addr)).all_blocks_free  # blocks held for the transfer
         decode.kill()
+        with pytest.raises(WorkerUnavailableError, match="load stream"):  # how the gateway learns of a death
+            await asyncio.wait_for(watcher, 10)
         report = await assert_worker_free(prefill.addr)
         assert report.active_handoffs == 0
         assert metric_value(scrape(mport), "kvrelay:kv_handoffs_total", 'outcome="stream_broken"') == 1

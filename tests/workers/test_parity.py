@@ -154,3 +154,18 @@ async def test_concurrent_handoffs_match_and_leave_no_blocks(tiny_llama):
     finally:
         await stop_pair(pair)
         await ref.shutdown()
+
+
+async def test_text_prompt_is_tokenized_like_the_engine():
+    pair = await start_pair()
+    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
+    await ref.start()
+    try:
+        text = "Once upon a time there was a little dog who liked to run in the park"
+        got = await _collect(pair.client.generate(text, PARAMS["seeded"], prefill_addr=pair.prefill_addr))
+        want = await _collect(ref.generate(text, PARAMS["seeded"]))
+        assert got[0] == want[0] and got[1] == want[1]
+        assert pair.decode.metrics.kv_bytes._value.get() > 0
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()
