@@ -81,11 +81,27 @@ class Bench:
         for g, w in pairs:
             diff = (g.float() - w.float()).abs()
             err = max(err, float(diff.max()) if diff.numel() else 0.0)
-            ok = ok and bool(torch.isfinite(g.float()).all()) and bool((diff <= atol + rtol * w.float().abs()).all())
+            ok = (
+                ok
+                and bool(torch.isfinite(g.float()).all())
+                and bool((diff <= atol + rtol * w.float().abs()).all())
+            )
         return err, ok
 
-    def add(self, kernel, shape, triton_fn, torch_fn, torch_label, want, got, nbytes=None, flops=None,
-            atol=2e-2, rtol=2e-2):
+    def add(
+        self,
+        kernel,
+        shape,
+        triton_fn,
+        torch_fn,
+        torch_label,
+        want,
+        got,
+        nbytes=None,
+        flops=None,
+        atol=2e-2,
+        rtol=2e-2,
+    ):
         err, ok = self.check(got, want, atol, rtol)
         triton_ms = self.time_ms(triton_fn)
         torch_ms = self.time_ms(torch_fn) if torch_fn is not None else None
@@ -94,8 +110,10 @@ class Bench:
         print(format_row(row, self.peak_gbs, self.peak_tflops), flush=True)
 
 
-HEADER = (f"{'kernel':<32} {'shape':<34} {'triton ms':>10} {'rate':>16} {'% peak':>7} | "
-          f"{'torch path':<14} {'ms':>9} {'rate':>16} {'speedup':>8} | {'max err':>8} ok")
+HEADER = (
+    f"{'kernel':<32} {'shape':<34} {'triton ms':>10} {'rate':>16} {'% peak':>7} | "
+    f"{'torch path':<14} {'ms':>9} {'rate':>16} {'speedup':>8} | {'max err':>8} ok"
+)
 
 
 def _rate(ms: float, nbytes, flops, peak_gbs, peak_tflops) -> tuple[str, str]:
@@ -117,8 +135,10 @@ def format_row(r: Row, peak_gbs: float, peak_tflops: float) -> str:
     else:
         trate = _rate(r.torch_ms, r.nbytes, r.flops, peak_gbs, peak_tflops)[0]
         tms, speed = f"{r.torch_ms:9.3f}", f"{r.torch_ms / r.triton_ms:7.2f}x"
-    return (f"{r.kernel:<32} {r.shape:<34} {r.triton_ms:10.3f} {rate:>16} {pct:>7} | "
-            f"{r.torch_label:<14} {tms:>9} {trate:>16} {speed:>8} | {r.max_err:8.1e} {'yes' if r.ok else 'NO'}")
+    return (
+        f"{r.kernel:<32} {r.shape:<34} {r.triton_ms:10.3f} {rate:>16} {pct:>7} | "
+        f"{r.torch_label:<14} {tms:>9} {trate:>16} {speed:>8} | {r.max_err:8.1e} {'yes' if r.ok else 'NO'}"
+    )
 
 
 def paged_inputs(torch, batch, context, block_size, num_kv_heads, head_dim, dtype, device, seed=0):
@@ -142,7 +162,9 @@ def bench_decode(b: Bench, ops, ref, shapes):
     torch = b.torch
     F = torch.nn.functional
     for batch, context, heads, kv_heads, head_dim in shapes:
-        k_cache, v_cache, tables = paged_inputs(torch, batch, context, 16, kv_heads, head_dim, b.dtype, b.device)
+        k_cache, v_cache, tables = paged_inputs(
+            torch, batch, context, 16, kv_heads, head_dim, b.dtype, b.device
+        )
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=b.device)
         q = torch.randn((batch, heads, head_dim), device=b.device).to(b.dtype)
         scale = head_dim**-0.5
@@ -150,10 +172,20 @@ def bench_decode(b: Bench, ops, ref, shapes):
         want = ref.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale)
         k, v = contiguous_kv(k_cache, tables, context), contiguous_kv(v_cache, tables, context)
         sdpa = partial(F.scaled_dot_product_attention, q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
-        nbytes = 2 * batch * context * kv_heads * head_dim * k_cache.element_size() + 2 * q.numel() * q.element_size()
-        b.add("decode_attention", f"B={batch} ctx={context} H={heads}/{kv_heads} D={head_dim}",
-              partial(ops.paged_decode_attention, q, k_cache, v_cache, tables, seq_lens, scale),
-              sdpa, "sdpa(contig)", want, got, nbytes=nbytes)
+        nbytes = (
+            2 * batch * context * kv_heads * head_dim * k_cache.element_size()
+            + 2 * q.numel() * q.element_size()
+        )
+        b.add(
+            "decode_attention",
+            f"B={batch} ctx={context} H={heads}/{kv_heads} D={head_dim}",
+            partial(ops.paged_decode_attention, q, k_cache, v_cache, tables, seq_lens, scale),
+            sdpa,
+            "sdpa(contig)",
+            want,
+            got,
+            nbytes=nbytes,
+        )
         del k, v, sdpa
 
 
@@ -162,7 +194,9 @@ def bench_prefill(b: Bench, ops, ref, shapes):
     F = torch.nn.functional
     for num_seqs, prefix, chunk, heads, kv_heads, head_dim in shapes:
         context = prefix + chunk
-        k_cache, v_cache, tables = paged_inputs(torch, num_seqs, context, 16, kv_heads, head_dim, b.dtype, b.device)
+        k_cache, v_cache, tables = paged_inputs(
+            torch, num_seqs, context, 16, kv_heads, head_dim, b.dtype, b.device
+        )
         seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=b.device)
         qsl = torch.arange(0, (num_seqs + 1) * chunk, chunk, dtype=torch.int32, device=b.device)
         q = torch.randn((num_seqs * chunk, heads, head_dim), device=b.device).to(b.dtype)
@@ -176,15 +210,30 @@ def bench_prefill(b: Bench, ops, ref, shapes):
         else:  # chunk rows sit at the end of the context
             rows = torch.arange(prefix, context, device=b.device)[:, None]
             mask = torch.arange(context, device=b.device)[None, :] <= rows
-        sdpa = partial(F.scaled_dot_product_attention, q4, k, v, attn_mask=mask, is_causal=mask is None,
-                       scale=scale, enable_gqa=True)
+        sdpa = partial(
+            F.scaled_dot_product_attention,
+            q4,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
 
         # Useful FLOPs only (masked-out half of the causal square not counted): 2 matmuls x 2 flops.
         visible = chunk * prefix + chunk * (chunk + 1) / 2
         flops = 4 * num_seqs * heads * head_dim * visible
-        b.add("prefill_attention", f"seqs={num_seqs} prefix={prefix} chunk={chunk} H={heads}/{kv_heads} D={head_dim}",
-              partial(ops.paged_prefill_attention, q, k_cache, v_cache, tables, qsl, seq_lens, scale),
-              sdpa, "sdpa(contig)", want, got, flops=flops)
+        b.add(
+            "prefill_attention",
+            f"seqs={num_seqs} prefix={prefix} chunk={chunk} H={heads}/{kv_heads} D={head_dim}",
+            partial(ops.paged_prefill_attention, q, k_cache, v_cache, tables, qsl, seq_lens, scale),
+            sdpa,
+            "sdpa(contig)",
+            want,
+            got,
+            flops=flops,
+        )
         del k, v, sdpa
 
 
@@ -195,16 +244,38 @@ def bench_elementwise(b: Bench, ops, ref, tokens, hidden, inter, heads, kv_heads
     x = torch.randn((tokens, hidden), device=dev).to(dt)
     res = torch.randn((tokens, hidden), device=dev).to(dt)
     w = torch.randn((hidden,), device=dev).to(dt)
-    b.add("rms_norm", f"T={tokens} hidden={hidden}", lambda: ops.rms_norm(x, w, 1e-5),
-          lambda: ref.rms_norm(x, w, 1e-5), "eager", ref.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5),
-          nbytes=2 * x.numel() * es)
-    b.add("fused_add_rms_norm", f"T={tokens} hidden={hidden}", lambda: ops.fused_add_rms_norm(x, res, w, 1e-5),
-          lambda: ref.fused_add_rms_norm(x, res, w, 1e-5), "eager", ref.fused_add_rms_norm(x, res, w, 1e-5),
-          ops.fused_add_rms_norm(x, res, w, 1e-5), nbytes=4 * x.numel() * es)
+    b.add(
+        "rms_norm",
+        f"T={tokens} hidden={hidden}",
+        lambda: ops.rms_norm(x, w, 1e-5),
+        lambda: ref.rms_norm(x, w, 1e-5),
+        "eager",
+        ref.rms_norm(x, w, 1e-5),
+        ops.rms_norm(x, w, 1e-5),
+        nbytes=2 * x.numel() * es,
+    )
+    b.add(
+        "fused_add_rms_norm",
+        f"T={tokens} hidden={hidden}",
+        lambda: ops.fused_add_rms_norm(x, res, w, 1e-5),
+        lambda: ref.fused_add_rms_norm(x, res, w, 1e-5),
+        "eager",
+        ref.fused_add_rms_norm(x, res, w, 1e-5),
+        ops.fused_add_rms_norm(x, res, w, 1e-5),
+        nbytes=4 * x.numel() * es,
+    )
 
     g = torch.randn((tokens, 2 * inter), device=dev).to(dt)
-    b.add("silu_and_mul", f"T={tokens} inter={inter}", lambda: ops.silu_and_mul(g), lambda: ref.silu_and_mul(g),
-          "eager", ref.silu_and_mul(g), ops.silu_and_mul(g), nbytes=3 * tokens * inter * es)
+    b.add(
+        "silu_and_mul",
+        f"T={tokens} inter={inter}",
+        lambda: ops.silu_and_mul(g),
+        lambda: ref.silu_and_mul(g),
+        "eager",
+        ref.silu_and_mul(g),
+        ops.silu_and_mul(g),
+        nbytes=3 * tokens * inter * es,
+    )
 
     qkv = torch.randn((tokens, (heads + 2 * kv_heads) * head_dim), device=dev).to(dt)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
@@ -214,10 +285,16 @@ def bench_elementwise(b: Bench, ops, ref, tokens, hidden, inter, heads, kv_heads
     inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim))
     freqs = torch.outer(torch.arange(8192, device=dev).float(), inv)
     cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    b.add("rotary_embedding", f"T={tokens} H={heads}/{kv_heads} D={head_dim}",
-          lambda: ops.rotary_embedding(positions, q, k, cache), lambda: ref.rotary_embedding(positions, q, k, cache),
-          "eager", ref.rotary_embedding(positions, q, k, cache), ops.rotary_embedding(positions, q, k, cache),
-          nbytes=2 * (heads + kv_heads) * head_dim * tokens * es + tokens * head_dim * 4)
+    b.add(
+        "rotary_embedding",
+        f"T={tokens} H={heads}/{kv_heads} D={head_dim}",
+        lambda: ops.rotary_embedding(positions, q, k, cache),
+        lambda: ref.rotary_embedding(positions, q, k, cache),
+        "eager",
+        ref.rotary_embedding(positions, q, k, cache),
+        ops.rotary_embedding(positions, q, k, cache),
+        nbytes=2 * (heads + kv_heads) * head_dim * tokens * es + tokens * head_dim * 4,
+    )
 
     num_blocks = math.ceil(tokens / 16) + 8
     k_cache = torch.zeros((num_blocks, 16, kv_heads, head_dim), device=dev, dtype=dt)
@@ -226,9 +303,18 @@ def bench_elementwise(b: Bench, ops, ref, tokens, hidden, inter, heads, kv_heads
     slots = torch.randperm(num_blocks * 16, device=dev)[:tokens]
     ops.write_kv(k, v, k_cache, v_cache, slots)
     ref.write_kv(k, v, k_ref, v_ref, slots)
-    b.add("write_kv", f"T={tokens} Hkv={kv_heads} D={head_dim}", lambda: ops.write_kv(k, v, k_cache, v_cache, slots),
-          lambda: ref.write_kv(k, v, k_ref, v_ref, slots), "eager", (k_ref, v_ref), (k_cache, v_cache),
-          nbytes=4 * tokens * kv_heads * head_dim * es, atol=0, rtol=0)
+    b.add(
+        "write_kv",
+        f"T={tokens} Hkv={kv_heads} D={head_dim}",
+        lambda: ops.write_kv(k, v, k_cache, v_cache, slots),
+        lambda: ref.write_kv(k, v, k_ref, v_ref, slots),
+        "eager",
+        (k_ref, v_ref),
+        (k_cache, v_cache),
+        nbytes=4 * tokens * kv_heads * head_dim * es,
+        atol=0,
+        rtol=0,
+    )
 
 
 def bench_blocks(b: Bench, ops, ref, layers, num_blocks, moved, kv_heads, head_dim):
@@ -238,16 +324,34 @@ def bench_blocks(b: Bench, ops, ref, layers, num_blocks, moved, kv_heads, head_d
     packed = ops.gather_blocks(kv, ids, 0, layers)
     nbytes = 2 * packed.numel() * packed.element_size()
     shape = f"L={layers} blocks={moved}/{num_blocks} Hkv={kv_heads} D={head_dim}"
-    b.add("gather_blocks", shape, lambda: ops.gather_blocks(kv, ids, 0, layers),
-          lambda: ref.gather_blocks(kv, ids, 0, layers), "eager", ref.gather_blocks(kv, ids, 0, layers), packed,
-          nbytes=nbytes, atol=0, rtol=0)
+    b.add(
+        "gather_blocks",
+        shape,
+        lambda: ops.gather_blocks(kv, ids, 0, layers),
+        lambda: ref.gather_blocks(kv, ids, 0, layers),
+        "eager",
+        ref.gather_blocks(kv, ids, 0, layers),
+        packed,
+        nbytes=nbytes,
+        atol=0,
+        rtol=0,
+    )
     dst_ids = torch.randperm(num_blocks, device=b.device)[:moved]
     dst, dst_ref = kv.clone(), kv.clone()
     ops.scatter_blocks(dst, dst_ids, packed, 0, layers)
     ref.scatter_blocks(dst_ref, dst_ids, packed, 0, layers)
-    b.add("scatter_blocks", shape, lambda: ops.scatter_blocks(dst, dst_ids, packed, 0, layers),
-          lambda: ref.scatter_blocks(dst_ref, dst_ids, packed, 0, layers), "eager", dst_ref, dst,
-          nbytes=nbytes, atol=0, rtol=0)
+    b.add(
+        "scatter_blocks",
+        shape,
+        lambda: ops.scatter_blocks(dst, dst_ids, packed, 0, layers),
+        lambda: ref.scatter_blocks(dst_ref, dst_ids, packed, 0, layers),
+        "eager",
+        dst_ref,
+        dst,
+        nbytes=nbytes,
+        atol=0,
+        rtol=0,
+    )
 
 
 def bench_int8(b: Bench, ops, ref, shapes):
@@ -258,8 +362,18 @@ def bench_int8(b: Bench, ops, ref, shapes):
         wq, scale = ops.quantize_int8(weight)
         want_q, want_scale = ref.quantize_int8(weight)
         err = (wq.int() - want_q.int()).abs().max().item()
-        b.add("quantize_int8", f"N={n} K={k}", partial(ops.quantize_int8, weight), partial(ref.quantize_int8, weight),
-              "eager", want_scale, scale, nbytes=weight.numel() * (weight.element_size() + 1), atol=0, rtol=0)
+        b.add(
+            "quantize_int8",
+            f"N={n} K={k}",
+            partial(ops.quantize_int8, weight),
+            partial(ref.quantize_int8, weight),
+            "eager",
+            want_scale,
+            scale,
+            nbytes=weight.numel() * (weight.element_size() + 1),
+            atol=0,
+            rtol=0,
+        )
         if err:
             b.rows[-1].ok = False
         x = torch.randn((m, k), device=b.device).to(b.dtype)
@@ -267,9 +381,19 @@ def bench_int8(b: Bench, ops, ref, shapes):
         want = ref.int8_matmul(x, wq, scale)
         nbytes = n * k + (m * k + m * n) * x.element_size()
         flops = 2 * m * n * k
-        b.add("int8_matmul", f"M={m} N={n} K={k}", partial(ops.int8_matmul, x, wq, scale),
-              partial(F.linear, x, weight), "F.linear bf16", want, got,
-              nbytes=nbytes if m <= 64 else None, flops=flops if m > 64 else None, atol=5e-2, rtol=2e-2)
+        b.add(
+            "int8_matmul",
+            f"M={m} N={n} K={k}",
+            partial(ops.int8_matmul, x, wq, scale),
+            partial(F.linear, x, weight),
+            "F.linear bf16",
+            want,
+            got,
+            nbytes=nbytes if m <= 64 else None,
+            flops=flops if m > 64 else None,
+            atol=5e-2,
+            rtol=2e-2,
+        )
 
 
 def sweep_configs(b: Bench, ops, ref, smoke: bool) -> None:
@@ -280,7 +404,9 @@ def sweep_configs(b: Bench, ops, ref, smoke: bool) -> None:
     for stages in (5,):  # 3 (default) keeps one K/V tile in flight per program, 5 two
         triton_decode_attention.DECODE_STAGES = stages
         b.tag = f"[stages={stages}]"
-        bench_decode(b, ops, ref, [(2, 40, 4, 2, 64)] if smoke else [(32, 4096, 32, 8, 128), (64, 4096, 32, 8, 128)])
+        bench_decode(
+            b, ops, ref, [(2, 40, 4, 2, 64)] if smoke else [(32, 4096, 32, 8, 128), (64, 4096, 32, 8, 128)]
+        )
     triton_decode_attention.DECODE_STAGES = default_stages
     default_tiles = triton_prefill_attention._tile_config
     for tiles in ((128, 128, 8, 2), (128, 64, 8, 5), (128, 32, 4, 3), (64, 64, 4, 3)):
@@ -292,16 +418,27 @@ def sweep_configs(b: Bench, ops, ref, smoke: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="tiny shapes on CPU in Triton's interpreter: checks correctness, times nothing useful")
-    parser.add_argument("--only", default="", help="comma-separated kernel families: decode,prefill,elementwise,"
-                        "blocks,int8")
-    parser.add_argument("--sweep", action="store_true",
-                        help="also time decode/prefill attention under alternative launch configs (tuning)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="tiny shapes on CPU in Triton's interpreter: checks correctness, times nothing useful",
+    )
+    parser.add_argument(
+        "--only", default="", help="comma-separated kernel families: decode,prefill,elementwise,blocks,int8"
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time decode/prefill attention under alternative launch configs (tuning)",
+    )
     parser.add_argument("--iters-ms", type=int, default=100, help="measuring time per case for do_bench")
     parser.add_argument("--peak-gbs", type=float, default=4800.0, help="HBM peak GB/s (H200: 4800)")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak TFLOP/s (H200: 989)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="dense bf16 peak TFLOP/s (H200: 989)"
+    )
     args = parser.parse_args(argv)
 
     if args.cpu_smoke:
@@ -321,23 +458,55 @@ def main(argv: list[str] | None = None) -> int:
     ops = get_ops("triton")
     torch.manual_seed(0)
     bench = Bench(device, torch.bfloat16, args.cpu_smoke, args.peak_gbs, args.peak_tflops, args.iters_ms)
-    families = set(filter(None, args.only.split(","))) or {"decode", "prefill", "elementwise", "blocks", "int8"}
+    families = set(filter(None, args.only.split(","))) or {
+        "decode",
+        "prefill",
+        "elementwise",
+        "blocks",
+        "int8",
+    }
     started = time.perf_counter()
-    label = "CPU interpreter smoke run (times are not meaningful)" if args.cpu_smoke else torch.cuda.get_device_name()
+    label = (
+        "CPU interpreter smoke run (times are not meaningful)"
+        if args.cpu_smoke
+        else torch.cuda.get_device_name()
+    )
     print(f"# {label}; dtype bf16; peaks {args.peak_gbs:.0f} GB/s, {args.peak_tflops:.0f} TFLOP/s")
     print(HEADER)
     smoke = args.cpu_smoke
     with torch.inference_mode():
         if "decode" in families:
-            bench_decode(bench, ops, ref, [(2, 40, 4, 2, 64), (1, 33, 8, 1, 128)] if smoke else [
-                (1, 4096, 32, 8, 128), (32, 4096, 32, 8, 128), (64, 4096, 32, 8, 128), (32, 16384, 32, 8, 128),
-                (128, 1024, 32, 8, 128), (32, 4096, 64, 8, 128), (256, 512, 32, 8, 128),
-            ])
+            bench_decode(
+                bench,
+                ops,
+                ref,
+                [(2, 40, 4, 2, 64), (1, 33, 8, 1, 128)]
+                if smoke
+                else [
+                    (1, 4096, 32, 8, 128),
+                    (32, 4096, 32, 8, 128),
+                    (64, 4096, 32, 8, 128),
+                    (32, 16384, 32, 8, 128),
+                    (128, 1024, 32, 8, 128),
+                    (32, 4096, 64, 8, 128),
+                    (256, 512, 32, 8, 128),
+                ],
+            )
         if "prefill" in families:
-            bench_prefill(bench, ops, ref, [(2, 8, 20, 4, 2, 64)] if smoke else [
-                (1, 0, 4096, 32, 8, 128), (1, 0, 8192, 32, 8, 128), (1, 2048, 2048, 32, 8, 128),
-                (4, 0, 1024, 32, 8, 128), (1, 0, 4096, 32, 8, 64),
-            ])
+            bench_prefill(
+                bench,
+                ops,
+                ref,
+                [(2, 8, 20, 4, 2, 64)]
+                if smoke
+                else [
+                    (1, 0, 4096, 32, 8, 128),
+                    (1, 0, 8192, 32, 8, 128),
+                    (1, 2048, 2048, 32, 8, 128),
+                    (4, 0, 1024, 32, 8, 128),
+                    (1, 0, 4096, 32, 8, 64),
+                ],
+            )
         if args.sweep:
             sweep_configs(bench, ops, ref, smoke)
         if "elementwise" in families:
@@ -351,12 +520,23 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 bench_blocks(bench, ops, ref, 32, 2048, 256, 8, 128)
         if "int8" in families:
-            bench_int8(bench, ops, ref, [(3, 40, 64)] if smoke else [
-                (1, 4096, 4096), (16, 14336, 4096), (256, 4096, 4096), (4096, 4096, 4096),
-            ])
+            bench_int8(
+                bench,
+                ops,
+                ref,
+                [(3, 40, 64)]
+                if smoke
+                else [
+                    (1, 4096, 4096),
+                    (16, 14336, 4096),
+                    (256, 4096, 4096),
+                    (4096, 4096, 4096),
+                ],
+            )
     failed = [r for r in bench.rows if not r.ok]
-    print(f"# {len(bench.rows)} cases in {time.perf_counter() - started:.1f} s; "
-          f"{'all correct' if not failed else 'MISMATCH: ' + ', '.join(f'{r.kernel} {r.shape}' for r in failed)}")
+    mismatches = ", ".join(f"{r.kernel} {r.shape}" for r in failed)
+    verdict = f"MISMATCH: {mismatches}" if failed else "all correct"
+    print(f"# {len(bench.rows)} cases in {time.perf_counter() - started:.1f} s; {verdict}")
     return 1 if failed else 0
 
 

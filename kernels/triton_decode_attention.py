@@ -31,7 +31,8 @@ def _decode_kernel(
     q_b_stride, q_h_stride, o_b_stride, o_h_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, bt_stride,
     scale_log2, group, num_heads, tokens_per_split, num_splits, max_context,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -178,7 +179,8 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * math.log2(math.e), group, num_heads, tokens_per_split, num_splits, max_context,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=pow2(group, 16 if use_dot else 1), BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        BLOCK_G=pow2(group, 16 if use_dot else 1), BLOCK_N=block_n, BLOCK_D=block_d,
         USE_DOT=use_dot, DOT_FP32=use_dot and dot_in_fp32(q.dtype), SPLIT=split,
         num_warps=4, num_stages=1 if interpreting() else DECODE_STAGES,
     )

@@ -76,7 +76,8 @@ def _copy_blocks_kernel(
     layer = layer_start + lk // 2
     kv = lk % 2
     block_id = tl.load(ids_ptr + i).to(tl.int64)
-    cache_base = layer.to(tl.int64) * cache_layer_stride + kv * cache_kv_stride + block_id * cache_block_stride
+    cache_base = layer.to(tl.int64) * cache_layer_stride + kv * cache_kv_stride
+    cache_base += block_id * cache_block_stride
     buf_base = pid.to(tl.int64) * chunk
     for start in range(tl.program_id(1) * BLOCK, chunk, tl.num_programs(1) * BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -91,7 +92,9 @@ def _copy_blocks_kernel(
 
 def _check_cache(kv_cache: torch.Tensor) -> int:
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
-        raise ValueError(f"kv_cache must be [L, 2, num_blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"kv_cache must be [L, 2, num_blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}"
+        )
     if not kv_cache[0, 0, 0].is_contiguous() or kv_cache.stride(2) != kv_cache[0, 0, 0].numel():
         raise ValueError("kv_cache blocks must be contiguous in [block_size, Hkv, D]")
     return kv_cache.stride(2)
@@ -131,4 +134,5 @@ def scatter_blocks(
     if tuple(buffer.shape) != expected:
         raise ValueError(f"buffer shape {tuple(buffer.shape)} does not match {expected}")
     # The buffer may arrive on the host (received from another worker): bring it to the cache.
-    _launch_copy(kv_cache, on_device(buffer, kv_cache.device), block_ids, layer_start, layer_end, gather=False)
+    buffer = on_device(buffer, kv_cache.device)
+    _launch_copy(kv_cache, buffer, block_ids, layer_start, layer_end, gather=False)

@@ -68,7 +68,8 @@ def _prefill_kernel(
     q_tok_stride, q_head_stride, o_tok_stride, o_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, bt_stride,
     scale_log2, num_seqs, group, max_context,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     # Last tiles first: under the causal mask they carry the most keys, so the grid ends on light work.

@@ -65,7 +65,8 @@ def exercise(ops) -> None:
                 ops.paged_decode_attention(q, kv[0], kv[1], tables, lens, 0.1, num_splits=splits)
             qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
             ops.paged_prefill_attention(q, kv[0], kv[1], tables, qsl, lens, 0.1)
-            ops.rotary_embedding(torch.zeros(3, dtype=torch.int64), q, q[:, :kv_heads], torch.zeros((4, head_dim)))
+            positions = torch.zeros(3, dtype=torch.int64)
+            ops.rotary_embedding(positions, q, q[:, :kv_heads], torch.zeros((4, head_dim)))
             ops.write_kv(q[:, :kv_heads], q[:, :kv_heads], kv[0], kv[1], torch.zeros(3, dtype=torch.int64))
         x = torch.zeros((5, 4096), dtype=dtype)
         ops.rms_norm(x, torch.zeros(4096, dtype=dtype), 1e-5)
@@ -94,11 +95,12 @@ def ptxas_report(ptx: str, arch: int) -> str:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
         for ptxas in ("ptxas-blackwell", "ptxas"):
-            out = subprocess.run([str(bin_dir / ptxas), f"-arch=sm_{arch}a", "-v", str(src), "-o", str(src) + ".o"],
-                                 capture_output=True, text=True, check=False)
+            cmd = [str(bin_dir / ptxas), f"-arch=sm_{arch}a", "-v", str(src), "-o", str(src) + ".o"]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if out.returncode == 0:
                 lines = (out.stdout + out.stderr).splitlines()
-                return "; ".join(line.split(":", 1)[-1].strip() for line in lines if "egisters" in line or "spill" in line)
+                wanted = [line for line in lines if "egisters" in line or "spill" in line]
+                return "; ".join(line.split(":", 1)[-1].strip() for line in wanted)
     return "ptxas failed"
 
 

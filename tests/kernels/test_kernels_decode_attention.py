@@ -17,8 +17,9 @@ def run_case(seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed, n
     q = randn((len(seq_lens), num_kv_heads * group, head_dim), dtype, seed + 1)
     k_cache, v_cache = case.layer()
     scale = head_dim**-0.5
-    got = paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens, scale, num_splits=num_splits)
-    want = reference.paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens, scale)
+    tables, lens = case.block_tables, case.seq_lens
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=num_splits)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     assert_close(got, want)
     return got
 
@@ -28,7 +29,8 @@ def run_case(seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed, n
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_gqa_ratios_head_dims_dtypes(group, head_dim, dtype):
     # Length 1, an exact multiple of the block size, and ragged lengths in one batch.
-    run_case([1, 32, 45], block_size=16, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, seed=group)
+    run_case([1, 32, 45], block_size=16, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype,
+             seed=group)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 7])

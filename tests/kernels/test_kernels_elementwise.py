@@ -71,7 +71,8 @@ def test_rotary_embedding(rope_type, params, head_dim, dtype):
     # q and k as the engine passes them: strided views into one fused qkv projection.
     qkv = randn((num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), dtype, 0)
     q = qkv[:, : num_heads * head_dim].reshape(num_tokens, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].reshape(num_tokens, num_kv_heads, -1)
+    k_cols = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    k = k_cols.reshape(num_tokens, num_kv_heads, head_dim)
     positions = torch.tensor([0, 1, 2, 17, 64, 100, 200, 254, 255])
     got_q, got_k = rotary_embedding(positions, q, k, cache)
     want_q, want_k = reference.rotary_embedding(positions, q, k, cache)

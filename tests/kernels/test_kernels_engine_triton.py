@@ -16,7 +16,9 @@ PROMPTS = [
 ]
 
 
-def greedy_tokens(backend: str, quantization: str | None, max_tokens: int) -> tuple[dict[str, list[int]], int]:
+def greedy_tokens(
+    backend: str, quantization: str | None, max_tokens: int
+) -> tuple[dict[str, list[int]], int]:
     engine = LLMEngine(EngineArgs(
         kernel_backend=backend, device="cpu", quantization=quantization, num_kv_blocks=64, block_size=16,
         max_num_batched_tokens=24,  # prompts go in chunks that attend to their already cached part

@@ -11,7 +11,9 @@ from kvrelay.kernels import reference
 from kvrelay.kernels.triton_prefill_attention import paged_prefill_attention
 
 
-def run_case(contexts, chunks, block_size, num_kv_heads, group, head_dim, dtype, seed, block_m=None, block_n=None):
+def run_case(
+    contexts, chunks, block_size, num_kv_heads, group, head_dim, dtype, seed, block_m=None, block_n=None
+):
     """contexts[b] tokens of context, the last chunks[b] of them new (queries of this step)."""
     rng = random.Random(seed)
     case = make_paged_case(rng, contexts, block_size, num_kv_heads, head_dim, dtype)
@@ -24,7 +26,8 @@ def run_case(contexts, chunks, block_size, num_kv_heads, group, head_dim, dtype,
     scale = head_dim**-0.5
     got = paged_prefill_attention(q, k_cache, v_cache, case.block_tables, qsl, case.seq_lens, scale,
                                   block_m=block_m, block_n=block_n)
-    want = reference.paged_prefill_attention(q, k_cache, v_cache, case.block_tables, qsl, case.seq_lens, scale)
+    tables, lens = case.block_tables, case.seq_lens
+    want = reference.paged_prefill_attention(q, k_cache, v_cache, tables, qsl, lens, scale)
     assert_close(got, want)
 
 
@@ -70,10 +73,11 @@ def test_whole_prompt_equals_sdpa():
     case = make_paged_case(rng, [24], 8, 2, 16, torch.float32)
     q = randn((24, 4, 16), torch.float32, 1)
     k_cache, v_cache = case.layer()
-    got = paged_prefill_attention(q, k_cache, v_cache, case.block_tables, torch.tensor([0, 24], dtype=torch.int32),
-                                  case.seq_lens, 0.25)
+    qsl = torch.tensor([0, 24], dtype=torch.int32)
+    got = paged_prefill_attention(q, k_cache, v_cache, case.block_tables, qsl, case.seq_lens, 0.25)
     blocks = case.block_tables[0, :3].long()
     k = k_cache[blocks].flatten(0, 1).repeat_interleave(2, dim=1).transpose(0, 1)
     v = v_cache[blocks].flatten(0, 1).repeat_interleave(2, dim=1).transpose(0, 1)
-    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=0.25)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    want = sdpa(q.transpose(0, 1), k, v, is_causal=True, scale=0.25)
     torch.testing.assert_close(got, want.transpose(0, 1), atol=2e-5, rtol=2e-5)
