@@ -8,6 +8,7 @@ import sys
 from dataclasses import fields
 
 import pytest
+import torch
 from kvrelay.kernels import reference
 from kvrelay.kernels.registry import OP_NAMES, KernelOps, get_ops
 
@@ -42,15 +43,20 @@ def test_unknown_backend_is_rejected():
         get_ops("cuda")
 
 
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+
+
+@NO_CUDA
 def test_registry_import_and_auto_on_cpu_do_not_import_triton():
     out = run_python(
-        "import sys, torch; from kvrelay.kernels.registry import get_ops; "
-        "assert not torch.cuda.is_available(); print(get_ops('auto').backend, 'triton' in sys.modules)"
+        "import sys; from kvrelay.kernels.registry import get_ops; "
+        "print(get_ops('auto').backend, 'triton' in sys.modules)"
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["torch", "False"]
 
 
+@NO_CUDA
 def test_forced_triton_without_cuda_or_interpreter_fails_clearly():
     out = run_python("from kvrelay.kernels.registry import get_ops; get_ops('triton')")
     assert out.returncode != 0
