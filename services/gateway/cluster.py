@@ -18,10 +18,11 @@ from kvrelay.models import BUNDLED_MODEL
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_gateway_arguments(parser, default_port=8000)
+    add_gateway_arguments(parser, default_host="0.0.0.0")  # the cluster role listens in its pod
     parser.add_argument("--prefill", default="", help="prefill workers: HOST:PORT,... or dns:///NAME:PORT")
     parser.add_argument("--decode", default="", help="decode workers: HOST:PORT,... or dns:///NAME:PORT")
-    parser.add_argument("--model", default=str(BUNDLED_MODEL), help="model folder (tokenizer and configs)")
+    parser.add_argument("--model", default=str(BUNDLED_MODEL),
+                        help="model folder the workers serve: the gateway reads its tokenizer and configs only")
     parser.add_argument("--served-model-name", default=None, help="model id clients use (default: folder name)")
     parser.add_argument("--dns-refresh", type=float, default=5.0, help="seconds between DNS re-resolutions")
 

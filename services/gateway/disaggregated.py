@@ -39,7 +39,8 @@ class DisaggregatedBackend:
 
         self.model_dir = Path(model)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.model_name = served_model_name or self.model_dir.name
+        self._served_model_name = served_model_name
+        self._reported_model_id: str | None = None
         self.capacity = capacity
         self.load_interval_s = load_interval_s
         self.prefill = WorkerPool("prefill", eject_after_s)
@@ -99,6 +100,7 @@ class DisaggregatedBackend:
                                 kv_blocks_free=r.kv_blocks_free, kv_blocks_total=r.kv_blocks_total,
                                 cached_blocks=r.prefix_hashes_current)
                     self._reported_max_len = r.max_model_len
+                    self._reported_model_id = r.layout.model_id
                     self._block_size = r.layout.block_size
                     if r.draining:
                         break
@@ -112,6 +114,11 @@ class DisaggregatedBackend:
             await asyncio.sleep(0.5)
 
     # ------------------------------------------------------------------ the backend API
+
+    @property
+    def model_name(self) -> str:
+        """--served-model-name, else the id the workers serve, else the model folder's name."""
+        return self._served_model_name or self._reported_model_id or self.model_dir.name
 
     @property
     def max_model_len(self) -> int:

@@ -19,11 +19,11 @@ from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStor
 from kvrelay.gateway.tenants import TenantRegistry
 
 
-def add_gateway_arguments(parser: argparse.ArgumentParser, default_port: int = 8000) -> None:
+def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:
     """Flags shared by `kvrelay serve` and `kvrelay gateway`."""
     d = GatewayConfig()
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
-    parser.add_argument("--port", type=int, default=default_port)
+    parser.add_argument("--host", default=default_host, help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--tenants", default=None, metavar="FILE",
                         help="tenants YAML (keys, quotas, priority, models); default: one open tenant")
     parser.add_argument("--redis-url", default=None, help="Redis for quotas shared by all gateway replicas")

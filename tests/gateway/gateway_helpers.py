@@ -92,16 +92,16 @@ def write_tenants(path, tenants: list[dict]) -> str:
 
 
 class GatewayProcess:
-    """`kvrelay serve` in its own process (a gateway replica), real HTTP on a free port."""
+    """`kvrelay serve` (or `kvrelay gateway`) in its own process, real HTTP on a free loopback port."""
 
-    def __init__(self, args: list[str], log_path) -> None:
+    def __init__(self, args: list[str], log_path, command: str = "serve") -> None:
         import os
         import sys
 
         self.port = free_port()
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", command, "--port", str(self.port),
                                       "--log-level", "warning", *args], stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env)
         self.wait_healthy()
@@ -145,18 +145,21 @@ class WorkerProcess:
 
     def __init__(self, role: str) -> None:
         import sys
+        import tempfile
         import threading
 
         self.role = role
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", "0"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True)
         self.address = None
         for line in self.proc.stdout:
             if " listening on " in line:
                 self.address = line.split(" listening on ")[1].split()[0]
                 break
         if self.address is None:
-            raise RuntimeError(f"{role} worker exited with {self.proc.wait()}")
+            self.stderr.seek(0)
+            raise RuntimeError(f"{role} worker exited with {self.proc.wait()}: {self.stderr.read()[-3000:]}")
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()
 
     def kill(self) -> None:
@@ -171,3 +174,4 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        self.stderr.close()

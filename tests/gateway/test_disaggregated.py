@@ -7,7 +7,7 @@ import time
 import httpx
 import openai
 import pytest
-from gateway_helpers import InProcessGateway, WorkerProcess, free_port
+from gateway_helpers import GatewayProcess, InProcessGateway, WorkerProcess, free_port
 from kvrelay.gateway.disaggregated import DisaggregatedBackend
 
 from kvrelay.models import BUNDLED_MODEL
@@ -74,6 +74,19 @@ async def test_decode_failing_before_first_token_is_retried_elsewhere(workers):
     assert sum(len(o.new_token_ids) for o in outs) == 3 and outs[-1].finish_reason == "length"
     assert backend.retries == 1
     await backend.shutdown()
+
+
+def test_kvrelay_gateway_command(workers, own_tmp):
+    prefill, d1, _ = workers
+    gw = GatewayProcess(["--host", "127.0.0.1", "--prefill", prefill.address, "--decode", d1.address],
+                        own_tmp / "gateway.log", command="gateway")
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [MODEL]  # the id the workers serve
+        r = client.completions.create(model=MODEL, prompt="Once", max_tokens=4)
+        assert r.usage.completion_tokens == 4
+    finally:
+        gw.stop()
 
 
 def test_killed_decode_worker_is_ejected_and_traffic_continues(cluster_gateway, workers):
