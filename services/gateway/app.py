@@ -356,6 +356,7 @@ class GenerationResponse(Response):
         self.choices: dict[int, _Choice] = {}
         self.headers_sent = False
         self.last_token_at: float | None = None
+        self._itl = gateway.metrics.itl.labels(prepared.model)  # observed per token: bind the labels once
 
     async def __call__(self, scope, receive, send) -> None:
         main = asyncio.create_task(self._run(send))
@@ -473,7 +474,7 @@ class GenerationResponse(Response):
             if self.last_token_at is None:
                 self.gw.metrics.ttft.labels(p.model).observe(now - p.arrival)
             else:
-                self.gw.metrics.itl.labels(p.model).observe(now - self.last_token_at)
+                self._itl.observe(now - self.last_token_at)
             self.last_token_at = now
         c.started = c.started or bool(out.new_token_ids)
         c.generated = out.num_generated_tokens
