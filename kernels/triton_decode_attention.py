@@ -25,7 +25,8 @@ MAX_SPLITS = 32
 DECODE_STAGES = 3
 
 
-@triton.jit
+# Values that change with the batch are not specialised on (1 / multiple of 16): no recompiles mid-run.
+@triton.jit(do_not_specialize=["bt_stride", "tokens_per_split", "num_splits", "max_context"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     q_b_stride, q_h_stride, o_b_stride, o_h_stride,
@@ -104,7 +105,7 @@ def _decode_kernel(
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, o_b_stride, o_h_stride, num_heads, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,

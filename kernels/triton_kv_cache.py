@@ -62,7 +62,7 @@ def write_kv(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer_start", "num_ids"])
 def _copy_blocks_kernel(
     cache_ptr, buf_ptr, ids_ptr,
     layer_start, num_ids, chunk,

@@ -62,7 +62,8 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Values that change with the batch are not specialised on (1 / multiple of 16): no recompiles mid-run.
+@triton.jit(do_not_specialize=["num_seqs", "bt_stride", "max_context"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
     q_tok_stride, q_head_stride, o_tok_stride, o_head_stride,

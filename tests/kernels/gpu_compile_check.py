@@ -82,6 +82,32 @@ def exercise(ops) -> None:
             ops.int8_matmul(torch.zeros((m, 512), dtype=dtype), wq, scale, torch.zeros(256, dtype=dtype))
 
 
+def count_recompiles(ops) -> dict[str, int]:
+    """New compiled variants while batch size, table width and token count change step to step."""
+    from kvrelay.kernels import triton_decode_attention, triton_int8, triton_prefill_attention
+
+    kernels = {
+        "decode": triton_decode_attention._decode_kernel,
+        "prefill": triton_prefill_attention._prefill_kernel,
+        "int8_matmul": triton_int8._int8_matmul_kernel,
+    }
+    before = {name: len(k.device_caches[0][0]) for name, k in kernels.items()}
+    kv = torch.zeros((2, 64, 16, 8, 128), dtype=torch.bfloat16)
+    wq, scale = torch.zeros((256, 512), dtype=torch.int8), torch.zeros(256)
+    bias = torch.zeros(256, dtype=torch.bfloat16)
+    for batch in (1, 3, 8, 16, 17):
+        for width in (1, 2, 5, 16, 33):
+            tables = torch.zeros((batch, width), dtype=torch.int32)
+            lens = torch.ones(batch, dtype=torch.int32)
+            q = torch.zeros((batch, 32, 128), dtype=torch.bfloat16)
+            ops.paged_decode_attention(q, kv[0], kv[1], tables, lens, 0.1, num_splits=1)
+            chunk = torch.zeros((batch * 7 + 1, 32, 128), dtype=torch.bfloat16)
+            qsl = torch.arange(batch + 1, dtype=torch.int32)
+            ops.paged_prefill_attention(chunk, kv[0], kv[1], tables, qsl, lens, 0.1)
+        ops.int8_matmul(torch.zeros((batch, 512), dtype=torch.bfloat16), wq, scale, bias)
+    return {name: len(k.device_caches[0][0]) - before[name] for name, k in kernels.items()}
+
+
 def ptxas_report(ptx: str, arch: int) -> str:
     """Registers and spills as ptxas reports them (the bundled ptxas that accepts triton's PTX)."""
     import subprocess
@@ -126,6 +152,11 @@ def main() -> int:
             too_big.append(name)
         assert "cubin" in kernel.asm, name
     print(f"compiled {len(seen)} kernel variants for sm_{arch}")
+    recompiles = count_recompiles(triton_ops)
+    print(f"new variants while the batch changed: {recompiles}")
+    if any(n > 1 for n in recompiles.values()):
+        print("a kernel recompiles as the batch changes")
+        return 1
     if too_big:
         print(f"shared memory over {MAX_SHARED_BYTES} bytes: {too_big}")
         return 1
