@@ -36,7 +36,7 @@ def build_backend(args: argparse.Namespace, prefill: str, decode: str):
 
 def run(args: argparse.Namespace) -> int:
     from kvrelay.gateway.app import Gateway, create_app
-    from kvrelay.gateway.tenants import TenantRegistry
+    from kvrelay.gateway.serve import load_tenants
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.decode:
@@ -46,5 +46,5 @@ def run(args: argparse.Namespace) -> int:
         backend = build_backend(args, args.prefill, args.decode)
     except ValueError as e:
         raise SystemExit(f"kvrelay gateway: {e}") from e
-    gateway = Gateway(backend, TenantRegistry(args.tenants), build_quota(args), gateway_config(args))
+    gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
     return run_app(create_app(gateway), args)

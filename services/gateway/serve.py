@@ -12,11 +12,12 @@ import subprocess
 import sys
 import threading
 
+import yaml
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.gateway.app import Gateway, GatewayConfig, create_app
 from kvrelay.gateway.backend import LocalBackend
 from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStore
-from kvrelay.gateway.tenants import TenantRegistry
+from kvrelay.gateway.tenants import TenantConfigError, TenantRegistry
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:
@@ -68,8 +69,15 @@ def run(args: argparse.Namespace) -> int:
     if args.disaggregated:
         return run_disaggregated(args)
     backend = LocalBackend(EngineArgs.from_cli(args))
-    gateway = Gateway(backend, TenantRegistry(args.tenants), build_quota(args), gateway_config(args))
+    gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
     return run_app(create_app(gateway), args)
+
+
+def load_tenants(args: argparse.Namespace) -> TenantRegistry:
+    try:
+        return TenantRegistry(args.tenants)
+    except (OSError, TenantConfigError, yaml.YAMLError) as e:
+        raise SystemExit(f"kvrelay: cannot load the tenants file: {e}") from e
 
 
 def start_worker(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -96,7 +104,7 @@ def run_disaggregated(args: argparse.Namespace) -> int:
         workers.append(start_worker("decode", args))
         args.dns_refresh = 5.0
         backend = build_backend(args, workers[0][1], workers[1][1])
-        gateway = Gateway(backend, TenantRegistry(args.tenants), build_quota(args), gateway_config(args))
+        gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
         return run_app(create_app(gateway), args)
     finally:
         for proc, _ in workers:
