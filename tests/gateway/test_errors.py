@@ -95,13 +95,16 @@ def test_queue_full_is_503_and_queued_request_runs(gw):
 
     async def scenario():
         async with httpx.AsyncClient(timeout=60, headers={"authorization": "Bearer sk-acme"}) as http:
-            long = {"model": MODEL, "prompt": "Once", "max_tokens": 300, "ignore_eos": True}
+            long = {"model": MODEL, "prompt": "Once", "max_tokens": 500, "ignore_eos": True}
             first = asyncio.create_task(http.post(gw.url + "/v1/completions", json=long))
+            deadline = time.monotonic() + 60
             while gw.gateway.scheduler.inflight == 0:
-                await asyncio.sleep(0.01)
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.002)
             second = asyncio.create_task(http.post(gw.url + "/v1/completions", json=long | {"max_tokens": 2}))
             while gw.gateway.scheduler.depth == 0:
-                await asyncio.sleep(0.01)
+                assert time.monotonic() < deadline and not first.done(), "the first request ended too soon"
+                await asyncio.sleep(0.002)
             metrics = (await http.get(gw.url + "/metrics")).text
             third = await http.post(gw.url + "/v1/completions", json=long | {"max_tokens": 2})
             return await first, await second, third, metrics

@@ -89,7 +89,9 @@ def test_flooding_tenant_does_not_starve_another_of_same_priority(own_tmp, capsy
                     done.append((time.monotonic(), key, r.json()["usage"]["completion_tokens"]))
 
                 flood = [asyncio.create_task(one("k-flood")) for _ in range(60)]
-                while gw.gateway.scheduler.depth < 50:
+                deadline = time.monotonic() + 60
+                while gw.gateway.scheduler.depth < 30:  # the flood is queued (capacity is 2)
+                    assert time.monotonic() < deadline, "flood requests never queued"
                     await asyncio.sleep(0.005)
                 light = [asyncio.create_task(one("k-light")) for _ in range(15)]
                 while gw.gateway.scheduler.waiting_by_tenant().get("light", 0) < 15 and not any(
