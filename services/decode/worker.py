@@ -123,10 +123,14 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
             errors = []
             for i, addr in enumerate(prefill_addrs):
                 try:
+                    finished = False
                     async for out in self.engine.generate_prefilled(
                             ids, params, req.request_id, priority,
                             lambda blocks, addr=addr: self._load_kv(req, addr, ids, params, priority, blocks)):
+                        finished = out.finished
                         yield out
+                    if not finished:  # aborted between the last write and activation
+                        yield self._aborted_output(req, ids)
                     return
                 except NoFreeBlocksError as e:
                     self.metrics.failures.labels("no_free_blocks").inc()

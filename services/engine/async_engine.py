@@ -125,9 +125,9 @@ class AsyncEngine:
 
         Reserves blocks for the prompt (raises NoFreeBlocksError if they do not fit now: reject,
         never wait), awaits load_kv(block_ids), which fills them with the prompt's K/V and returns
-        (first_token, first_logprob), then activates the request. load_kv must write only through
-        call_in_engine_thread: a failure or early close queues the abort behind those writes, so
-        the blocks are freed only after the last write.
+        (first_token, first_logprob), then activates the request (yields nothing if abort() came
+        first). load_kv must write only through call_in_engine_thread: a failure or early close
+        queues the abort behind those writes, so the blocks are freed only after the last write.
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
@@ -147,10 +147,12 @@ class AsyncEngine:
                 reserve_failed = True  # nothing allocated; the id may belong to someone else
                 raise
             first_token, first_logprob = await load_kv(block_ids)
-            item = await self.call_in_engine_thread(
-                lambda llm: llm.activate(request_id, first_token, first_logprob)
-            )
-            while True:
+
+            def activate(llm):  # None: abort() came first and freed the blocks while the K/V loaded
+                return llm.activate(request_id, first_token, first_logprob) if request_id in llm.requests else None
+
+            item = await self.call_in_engine_thread(activate)
+            while item is not None:
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped after an error: {item!r}") from item
                 yield item
