@@ -182,6 +182,11 @@ async def main() -> None:
             print(f"  {name:<22} {n:>5} tokens: TTFT {r['ttft'] / base[n]['ttft'] - 1:+6.1%} vs single process{speed}, "
                   f"hand-off beyond prefill {r['exposed'] * 1000:.1f} ms ({r['exposed'] / base[n]['ttft']:.1%} of "
                   f"single-process TTFT), sent during compute {r['overlap']:.0%}")
+    after, streamed = results["disagg, after prefill"], results["disagg, layer-streamed"]
+    for n in lengths:
+        if after[n]["exposed"] > 0:
+            print(f"  layer-wise streaming hides {1 - streamed[n]['exposed'] / after[n]['exposed']:.0%} of the "
+                  f"hand-off at {n} tokens")
 
 
 if __name__ == "__main__":

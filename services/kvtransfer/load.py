@@ -44,6 +44,17 @@ class LoadReport:
     def kv_usage(self) -> float:
         return 0.0 if not self.kv_blocks_total else 1.0 - self.kv_blocks_free / self.kv_blocks_total
 
+    def cached_prefix_blocks(self, prompt_ids: list[int]) -> int:
+        """How many leading full blocks of the prompt this worker's prefix cache holds (routing score)."""
+        from kvrelay.engine.block_pool import prompt_block_hashes
+
+        n = 0
+        for h in prompt_block_hashes(prompt_ids, self.layout.block_size):
+            if h not in self.prefix_hashes_current:
+                break
+            n += 1
+        return n
+
     @property
     def all_blocks_free(self) -> bool:
         return self.kv_blocks_free == self.kv_blocks_total

@@ -30,6 +30,8 @@ async def test_load_stream_reports_prefix_cache_keys_and_pool_state():
         assert reports[0].prefix_hashes is not None and reports[1].prefix_hashes is None
         assert reports[0].prefix_digest == reports[1].prefix_digest != 0
         assert set(prompt_block_hashes(PROMPT, 16)) <= reports[2].prefix_hashes_current
+        assert reports[2].cached_prefix_blocks(PROMPT + [1, 2, 3]) == len(PROMPT) // 16
+        assert reports[2].cached_prefix_blocks([9] * 40) == 0
         assert [r.sequence for r in reports] == [0, 1, 2]
         decode = await load_report(pair.decode_addr)
         assert decode.role == "decode" and decode.num_running == 0 and decode.all_blocks_free
