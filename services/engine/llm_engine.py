@@ -57,7 +57,10 @@ class LLMEngine:
         self.dtype = parse_dtype(dtype_name)
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
-        self.ops = get_ops(args.kernel_backend)
+        backend = args.kernel_backend
+        if backend == "auto" and self.device.type != "cuda":
+            backend = "torch"  # Triton kernels need CUDA tensors (the interpreter is for tests)
+        self.ops = get_ops(backend)
 
         limits = [self.config.max_position_embeddings]
         if self.config.sliding_window:
