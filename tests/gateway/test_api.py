@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 
@@ -157,6 +158,8 @@ def test_health_ready_metrics_pass_promtool(open_gateway, client):
                  "prompt_tokens_total", "generation_tokens_total", "quota_rejections", "gateway_queue_depth"):
         assert f"kvrelay:{name}" in text, name
     assert 'kvrelay:gateway_queue_depth{model="stories260K",role="engine"} 0.0' in text
+    if shutil.which("promtool") is None:
+        pytest.fail("promtool is not installed: run scripts/ci.d/20-promtool.sh")
     check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False)
     problems = [line for line in (check.stdout + check.stderr).splitlines() if line.strip()]
     # The `kvrelay:` prefix (vLLM's naming, which dashboards expect) is the one lint promtool
