@@ -150,7 +150,9 @@ class WorkerProcess:
 
         self.role = role
         self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", "0"],
+        self.metrics_port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", "0",
+                                      "--metrics-port", str(self.metrics_port)],
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True)
         self.address = None
         for line in self.proc.stdout:
@@ -161,6 +163,14 @@ class WorkerProcess:
             self.stderr.seek(0)
             raise RuntimeError(f"{role} worker exited with {self.proc.wait()}: {self.stderr.read()[-3000:]}")
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+
+    def generation_tokens(self) -> float:
+        """kvrelay:generation_tokens_total from the worker's own /metrics."""
+        import httpx
+
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("kvrelay:generation_tokens_total"))
 
     def kill(self) -> None:
         self.proc.kill()

@@ -76,6 +76,27 @@ async def test_decode_failing_before_first_token_is_retried_elsewhere(workers):
     await backend.shutdown()
 
 
+def test_client_disconnect_frees_blocks_on_the_workers(cluster_gateway, workers):
+    backend: DisaggregatedBackend = cluster_gateway.gateway.backend
+    decoders = workers[1:]
+    before = sum(w.generation_tokens() for w in decoders)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", cluster_gateway.url + "/v1/completions",
+                                                         json=body) as r:
+        assert r.status_code == 200
+        assert next(r.iter_lines()).startswith("data: {")
+    # The workers' load reports (every 0.2 s) show every decode slot and KV block free again.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        workers = backend.decode.live()
+        if workers and all(w.num_running == 0 and w.kv_blocks_free == w.kv_blocks_total for w in workers):
+            break
+        time.sleep(0.05)
+    assert all(w.num_running == 0 and w.kv_blocks_free == w.kv_blocks_total for w in backend.decode.live())
+    # Had the disconnect not aborted it, the wait above would have lasted until all 480 were generated.
+    assert sum(w.generation_tokens() for w in decoders) - before < 480
+
+
 def test_kvrelay_gateway_command(workers, own_tmp):
     prefill, d1, _ = workers
     gw = GatewayProcess(["--host", "127.0.0.1", "--prefill", prefill.address, "--decode", d1.address],
