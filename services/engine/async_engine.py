@@ -163,7 +163,9 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished_ok and not reserve_failed:
-                self._commands.put(("abort", request_id))
+                # "drop": nobody reads this attempt's abort output, and it must not reach a stream
+                # that reuses the id (a retry on another prefill worker, or a local prefill).
+                self._commands.put(("drop", request_id))
                 self._wake.set()
 
     async def abort(self, request_id: str) -> None:
@@ -188,6 +190,8 @@ class AsyncEngine:
                     self.engine.add(arg)
             elif kind == "abort":
                 outputs.extend(self.engine.abort(arg))
+            elif kind == "drop":  # abort whose outputs nobody reads
+                self.engine.abort(arg)
             elif kind == "call":
                 fn, fut = arg
                 try:

@@ -1,0 +1,89 @@
+"""AsyncEngine.generate_prefilled (the decode side's engine entry point) on its own."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.block_pool import NoFreeBlocksError
+from kvrelay.engine.engine_args import EngineArgs
+from kvrelay.engine.sampling_params import SamplingParams
+from pd_helpers import assert_all_free
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPT = list(range(20, 90))
+
+
+class LoadFailed(Exception):
+    pass
+
+
+async def test_failed_attempt_never_leaks_into_a_retry_with_the_same_id():
+    """A failed hand-off's cleanup must not reach the stream of the retry that reuses its id
+    (it once ended retries after their first token, or with no token at all)."""
+    engine = AsyncEngine(EngineArgs(num_kv_blocks=64))
+    await engine.start()
+    try:
+        want = [t async for o in engine.generate(PROMPT, PARAMS, "ref") for t in o.new_token_ids]
+
+        async def failing_load(block_ids):
+            raise LoadFailed
+
+        # Other requests keep the engine stepping, so outputs of a loop iteration are dispatched a
+        # step after the commands of that iteration ran: the window in which the bug showed.
+        busy = [engine.generate([7] * 30, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True), f"b{k}")
+                for k in range(4)]
+        busy_tasks = [asyncio.create_task(_drain(g)) for g in busy]
+        for i in range(30):
+            rid = f"r{i}"
+            with pytest.raises(LoadFailed):
+                async for _ in engine.generate_prefilled(PROMPT, PARAMS, rid, 0, failing_load):
+                    pass
+            await engine.call_in_engine_thread(lambda llm: None)  # the failed attempt's free has run
+            got = [t async for o in engine.generate(PROMPT, PARAMS, rid) for t in o.new_token_ids]
+            assert got == want, f"attempt {i}"
+        for t in busy_tasks:
+            t.cancel()
+        await asyncio.gather(*busy_tasks, return_exceptions=True)
+        for g in busy:
+            await g.aclose()
+        await assert_all_free(engine)
+    finally:
+        await engine.shutdown()
+
+
+async def test_reserve_rejects_when_the_pool_is_short_and_frees_on_close():
+    engine = AsyncEngine(EngineArgs(num_kv_blocks=32))
+    await engine.start()
+    try:
+        async def never_loads(block_ids):
+            assert len(block_ids) == 32  # the whole pool
+            await engine.call_in_engine_thread(lambda llm: None)
+            raise LoadFailed
+
+        with pytest.raises(LoadFailed):
+            async for _ in engine.generate_prefilled([5] * 500, PARAMS, "big", 0, never_loads):
+                pass
+        await engine.call_in_engine_thread(lambda llm: None)
+        held = engine.generate_prefilled([5] * 500, PARAMS, "held", 0, lambda b: _forever())
+        task = asyncio.create_task(anext(held))
+        await asyncio.sleep(0.2)
+        with pytest.raises(NoFreeBlocksError):
+            async for _ in engine.generate_prefilled(PROMPT, PARAMS, "rejected", 0, never_loads):
+                pass
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await held.aclose()
+        await assert_all_free(engine)
+    finally:
+        await engine.shutdown()
+
+
+async def _forever():
+    await asyncio.Event().wait()
+
+
+async def _drain(gen) -> None:
+    async for _ in gen:
+        pass
