@@ -13,7 +13,7 @@ import grpc
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
 from kvrelay.kvtransfer.grpc_options import server_options
-from kvrelay.kvtransfer.layout import DEFAULT_MAX_MESSAGE_BYTES, KVLayout
+from kvrelay.kvtransfer.layout import DEFAULT_MAX_MESSAGE_BYTES, KVLayout, plan_chunks
 from kvrelay.kvtransfer.load import LoadServicer
 from kvrelay.kvtransfer.metrics import WorkerMetrics
 from kvrelay.v1 import load_pb2_grpc
@@ -75,6 +75,7 @@ class WorkerBase:
         self.engine = engine
         self.options = options or WorkerOptions()
         self.layout = KVLayout.of_engine(engine.engine, self.options.model_revision)
+        plan_chunks(self.layout, 0, 1, 1, self.options.max_message_bytes)  # ValueError: one block must fit
         self.metrics = WorkerMetrics(engine)
         self.load = LoadServicer(self.role, engine, self.layout, self.active_handoffs, self.options.load_interval_s)
         self.server: grpc.aio.Server | None = None

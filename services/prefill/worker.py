@@ -137,6 +137,10 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         ids = list(start.prompt_token_ids)
         params = dataclasses.replace(params_from_proto(start.params), n=1, max_tokens=1)
         max_msg = min(self.options.max_message_bytes, start.max_message_bytes or self.options.max_message_bytes)
+        try:
+            plan_chunks(self.layout, 0, 1, 1, max_msg)
+        except ValueError as e:
+            await abort_with(context, InvalidRequestError(f"max_message_bytes: {e}", "max_message_bytes"))
         lease = Lease(lease_id=uuid.uuid4().hex, request_id=start.request_id, num_tokens=len(ids),
                       task=asyncio.current_task())
         h = _Handoff(lease, asyncio.Queue(), asyncio.get_running_loop(),
@@ -324,7 +328,18 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         return self._gather(h, self.llm.held_blocks(h.lease.lease_id), h.sent_layers, self.layout.num_layers)
 
     def _on_layer(self, layer_idx: int, batch) -> None:
-        """Model hook: layer layer_idx just wrote its K/V for this step."""
+        """Model hook: layer layer_idx just wrote its K/V for this step. Never raises: a failure
+        here would stop the engine; the layers not streamed are sent from the held blocks instead."""
+        try:
+            self._stream_layers(layer_idx, batch)
+        except Exception:
+            log.exception("layer-wise streaming failed; the rest goes after the prefill")
+            with self._lock:
+                for h in self._final:
+                    self._streaming.pop(h.lease.lease_id, None)
+            self._final = []
+
+    def _stream_layers(self, layer_idx: int, batch) -> None:
         if layer_idx == 0:
             with self._lock:
                 candidates = list(self._streaming.values())

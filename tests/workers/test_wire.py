@@ -138,3 +138,13 @@ def test_lease_deadline_starts_when_the_prefill_is_done():
     assert table.by_request("r1") == [lease]
     table.remove(lease)
     assert len(table) == 0
+
+
+def test_worker_refuses_a_message_bound_that_cannot_carry_one_block():
+    from kvrelay.decode.worker import DecodeWorker
+    from kvrelay.engine.async_engine import AsyncEngine
+    from kvrelay.engine.engine_args import EngineArgs
+    from kvrelay.kvtransfer.worker_base import WorkerOptions
+
+    with pytest.raises(ValueError, match="raise --max-message-bytes"):
+        DecodeWorker(AsyncEngine(EngineArgs(num_kv_blocks=32)), WorkerOptions(max_message_bytes=4200))
