@@ -122,6 +122,9 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
             "--decode", f"dns:///{service_host(owner, 'decode')}:{c.WORKER_GRPC_PORT}",
             "--host", "0.0.0.0",
             "--port", str(c.GATEWAY_HTTP_PORT),
+            # The gateway tokenizes prompts (quotas, prefix routing) with the model's own tokenizer.
+            "--model", spec.model.uri,
+            "--served-model-name", spec.model.name,
         ]
         if spec.redis_url or spec.redis_secret or config.default_redis_url:
             args += ["--redis-url", "$(KVRELAY_REDIS_URL)"]  # expanded by the kubelet from env
