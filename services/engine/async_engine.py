@@ -94,7 +94,7 @@ class AsyncEngine:
         seqs = self.engine.make_request(prompt, params, request_id, priority, hold_blocks)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(("add", seqs))
+        self._commands.put(("add", (seqs, stream)))
         self._wake.set()
         remaining = params.n
         finished_ok = False
@@ -108,9 +108,11 @@ class AsyncEngine:
                 yield item
             finished_ok = True
         finally:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             if not finished_ok:
-                self._commands.put(("abort", request_id))
+                # Abort these very sequences: a new request that reuses the id must not be hit.
+                self._commands.put(("drop_seqs", seqs))
                 self._wake.set()
 
     async def generate_prefilled(
@@ -186,8 +188,12 @@ class AsyncEngine:
             except queue.Empty:
                 return outputs
             if kind == "add":
-                if arg[0].request_id in self._streams:
-                    self.engine.add(arg)
+                seqs, stream = arg
+                if self._streams.get(seqs[0].request_id) is stream:  # still wanted by its caller
+                    self.engine.add(seqs)
+            elif kind == "drop_seqs":
+                if self.engine.requests.get(arg[0].request_id) is arg:
+                    self.engine.abort(arg[0].request_id)
             elif kind == "abort":
                 outputs.extend(self.engine.abort(arg))
             elif kind == "drop":  # abort whose outputs nobody reads

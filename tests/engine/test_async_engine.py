@@ -111,3 +111,14 @@ async def test_call_in_engine_thread_returns_result_and_raises(engine):
     assert await engine.call_in_engine_thread(lambda e: e.pool.num_blocks) == engine.stats().kv_blocks_total
     with pytest.raises(KeyError):
         await engine.call_in_engine_thread(lambda e: e.requests["nope"])
+
+
+async def test_reusing_an_id_right_after_closing_is_not_hit_by_the_stale_abort(engine):
+    for _ in range(5):
+        gen = engine.generate("Lily", SamplingParams(max_tokens=400, temperature=0), "same")
+        async for _ in gen:
+            break
+        await gen.aclose()
+        outs = [o async for o in engine.generate("Lily", SamplingParams(max_tokens=6, temperature=0), "same")]
+        assert outs[-1].finish_reason == "length" and outs[-1].num_generated_tokens == 6
+    await _wait_idle(engine)
