@@ -154,8 +154,6 @@ class LLMEngine:
 
         hold_blocks (prefill side of a hand-off): keep the blocks after finishing until release().
         """
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: must be an integer, got {priority!r}", field="priority")
         params.validate(self.config.vocab_size)
@@ -212,6 +210,7 @@ class LLMEngine:
         priority: int = 0,
         hold_blocks: bool = False,
     ) -> list[Sequence]:
+        self._check_new_id(request_id)
         seqs = self.make_request(prompt, params, request_id, priority, hold_blocks)
         self.add(seqs)
         return seqs
@@ -371,6 +370,7 @@ class LLMEngine:
         """
         if params.n != 1:
             raise InvalidRequestError("n: a prefilled request carries exactly one sample", field="n")
+        self._check_new_id(request_id)
         (seq,) = self.make_request(prompt_ids, params, request_id, priority)
         need = -(-seq.prompt_len // self.args.block_size)
         seq.block_table = self.pool.allocate(need)  # raises NoFreeBlocksError
@@ -397,6 +397,10 @@ class LLMEngine:
         self.scheduler.insert_running(seq)
         stops = set() if seq.params.ignore_eos else self.eos_ids | set(seq.params.stop_token_ids)
         return self._append_token(seq, first_token, first_logprob, stops, time.monotonic())
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
 
     def _output(self, seq: Sequence, new_ids: list[int], text: str, logprobs=None) -> RequestOutput:
         return RequestOutput(
