@@ -34,7 +34,7 @@ def test_fuzz_every_operation(open_gateway, capsys):
         strategy = op.as_strategy(generation_mode=mode)
 
         @given(case=st.tuples(strategy, st.booleans()).map(served_model_half_the_time))
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
+        @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         def run(case):
             # positive_data_acceptance is off: schema-valid bodies can still be refused on purpose
