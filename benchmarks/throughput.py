@@ -28,7 +28,7 @@ def run_kvrelay(model_dir: str, reqs) -> dict:
     from kvrelay.engine.llm_engine import LLMEngine
     from kvrelay.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineArgs(model=model_dir, kv_cache_memory=4 * 2**30, max_num_batched_tokens=2048))
+    engine = LLMEngine(EngineArgs(model=model_dir, kv_cache_memory=2 * 2**30, max_num_batched_tokens=2048))
     start = time.perf_counter()
     for i, (ids, n) in enumerate(reqs):
         engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), str(i))
