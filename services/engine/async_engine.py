@@ -151,7 +151,11 @@ class AsyncEngine:
             first_token, first_logprob = await load_kv(block_ids)
 
             def activate(llm):  # None: abort() came first and freed the blocks while the K/V loaded
-                return llm.activate(request_id, first_token, first_logprob) if request_id in llm.requests else None
+                return (
+                    llm.activate(request_id, first_token, first_logprob)
+                    if request_id in llm.requests
+                    else None
+                )
 
             item = await self.call_in_engine_thread(activate)
             while item is not None:

@@ -19,7 +19,7 @@ from kvrelay.engine.model import DecoderModel, StepBatch
 from kvrelay.engine.model_config import load_model_config, parse_dtype
 from kvrelay.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from kvrelay.engine.sampler import sample
-from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.sampling_params import SamplingParams, defaults_from_generation_config
 from kvrelay.engine.scheduler import Scheduler, SchedulerConfig
 from kvrelay.engine.sequence import Sequence, Status
 from kvrelay.engine.tokenizer import Tokenizer
@@ -116,14 +116,7 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------------
 
     def default_sampling_params(self) -> SamplingParams:
-        g = self.generation_config
-        params = SamplingParams()
-        if g.get("do_sample") is False:
-            params.temperature = 0.0
-        for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
-            if key in g and not (key == "temperature" and g.get("do_sample") is False):
-                setattr(params, key, g[key])
-        return params
+        return defaults_from_generation_config(self.generation_config)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -191,6 +184,9 @@ class LLMEngine:
                 generator=None if params.greedy else torch.Generator().manual_seed(seed),
                 wait_for=seqs[0] if seqs else None,
                 hold_blocks=hold_blocks,
+                stop_ids=frozenset()
+                if params.ignore_eos
+                else frozenset(self.eos_ids | set(params.stop_token_ids)),
             )
             self._next_seq_id += 1
             seqs.append(seq)
@@ -307,23 +303,19 @@ class LLMEngine:
         if not sample_idx:
             return []
         to_sample = [step.seqs[i] for i in sample_idx]
-        stop_sets = [
-            set() if s.params.ignore_eos else self.eos_ids | set(s.params.stop_token_ids) for s in to_sample
-        ]
-        tokens, logprobs = sample(logits, to_sample, stop_sets)
+        tokens, logprobs = sample(logits, to_sample)
         now = time.monotonic()
-        outputs = []
-        for seq, token, lp, stops in zip(to_sample, tokens, logprobs, stop_sets):
-            outputs.append(self._append_token(seq, token, lp, stops, now))
-        return outputs
+        return [
+            self._append_token(seq, token, lp, now) for seq, token, lp in zip(to_sample, tokens, logprobs)
+        ]
 
-    def _append_token(self, seq: Sequence, token: int, logprob, stops: set[int], now: float) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> RequestOutput:
         seq.token_ids.append(token)
         self.generation_tokens_total += 1
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         reason, stop_reason = None, None
-        if token in stops and seq.num_generated >= seq.params.min_tokens:
+        if token in seq.stop_ids and seq.num_generated >= seq.params.min_tokens:
             reason, stop_reason = "stop", (token if token in seq.params.stop_token_ids else None)
         else:
             stop_string = seq.detok.add_token(token)
@@ -395,8 +387,7 @@ class LLMEngine:
         self.scheduler.register_full_blocks(seq)
         seq.status = Status.RUNNING
         self.scheduler.insert_running(seq)
-        stops = set() if seq.params.ignore_eos else self.eos_ids | set(seq.params.stop_token_ids)
-        return self._append_token(seq, first_token, first_logprob, stops, time.monotonic())
+        return self._append_token(seq, first_token, first_logprob, time.monotonic())
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.requests:

@@ -47,7 +47,7 @@ def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: l
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[set[int]]) -> tuple[list[int], list]:
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
     """logits [S, V] fp32 (modified in place). Returns (token ids, TokenLogprob or None) per row."""
     raw_logprobs = None
     want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
@@ -58,8 +58,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[set[int]])
         p = seq.params
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             _apply_penalties(logits[i], seq)
-        if seq.num_generated < p.min_tokens and stop_ids[i]:
-            logits[i, list(stop_ids[i])] = float("-inf")
+        if seq.num_generated < p.min_tokens and seq.stop_ids:
+            logits[i, list(seq.stop_ids)] = float("-inf")
 
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]

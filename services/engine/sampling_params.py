@@ -87,3 +87,14 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+
+def defaults_from_generation_config(generation_config: dict) -> SamplingParams:
+    """Default sampling params from a model's generation_config.json (do_sample false: greedy)."""
+    params = SamplingParams()
+    for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
+        if key in generation_config:
+            setattr(params, key, generation_config[key])
+    if generation_config.get("do_sample") is False:
+        params.temperature = 0.0
+    return params

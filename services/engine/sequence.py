@@ -45,6 +45,8 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     # Blocks stay allocated after finishing until release() (prefill side of P/D hand-off).
     hold_blocks: bool = False
+    # Token ids that finish the sequence (EOS unless ignore_eos, plus stop_token_ids).
+    stop_ids: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvrelay.engine.block_pool import prompt_block_hashes
 from kvrelay.engine.outputs import EngineStats
-from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.sampling_params import SamplingParams, defaults_from_generation_config
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.gateway.routing import Discovery, WorkerPool
 
@@ -139,13 +139,7 @@ class DisaggregatedBackend:
             prompt_tokens_total=0, generation_tokens_total=0)
 
     def default_sampling_params(self) -> SamplingParams:
-        g, params = self._generation_config, SamplingParams()
-        if g.get("do_sample") is False:
-            params.temperature = 0.0
-        for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
-            if key in g and not (key == "temperature" and g.get("do_sample") is False):
-                setattr(params, key, g[key])
-        return params
+        return defaults_from_generation_config(self._generation_config)
 
     def _client(self, address: str):
         from kvrelay.kvtransfer.client import DecodeClient
