@@ -184,9 +184,9 @@ class LLMEngine:
                 generator=None if params.greedy else torch.Generator().manual_seed(seed),
                 wait_for=seqs[0] if seqs else None,
                 hold_blocks=hold_blocks,
-                stop_ids=frozenset()
-                if params.ignore_eos
-                else frozenset(self.eos_ids | set(params.stop_token_ids)),
+                # ignore_eos drops EOS only; explicit stop_token_ids still apply.
+                stop_ids=frozenset(params.stop_token_ids)
+                | (frozenset() if params.ignore_eos else self.eos_ids),
             )
             self._next_seq_id += 1
             seqs.append(seq)

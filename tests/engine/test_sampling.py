@@ -142,3 +142,15 @@ def test_logprobs_have_top_alternatives_sorted():
         assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy picks the best
         values = [v for _, v in lp.top]
         assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+
+
+def test_ignore_eos_still_honours_stop_token_ids():
+    engine = make_engine(BUNDLED_MODEL)
+    ids = [
+        i
+        for o in _collect(engine, "Lily", SamplingParams(max_tokens=20, temperature=0))
+        for i in o.new_token_ids
+    ]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[ids[4]])
+    outs = _collect(engine, "Lily", params, "ie")
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == ids[4]
