@@ -74,17 +74,20 @@ def write_kv(
 
 def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """One sequence's first `length` tokens from a paged layer cache: [length, Hkv, D]."""
-    return cache[blocks].flatten(0, 1)[:length]
+    # index_select, not cache[blocks]: advanced indexing is ~15x slower on CPU for this gather.
+    return cache.index_select(0, blocks).flatten(0, 1)[:length]
 
 
 def _decode_attention_padded(q, k_cache, v_cache, block_tables, seq_lens, scale):
     max_len = int(seq_lens.max())
     block_size = k_cache.shape[1]
     num_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long()
+    batch = q.shape[0]
+    table = block_tables[:, :num_blocks].long().flatten()
     # Gather each sequence's blocks, padded to the longest: [B, Hkv, ctx, D] views.
-    k = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    v = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    # index_select, not k_cache[table]: advanced indexing is ~15x slower on CPU for this gather.
+    k = k_cache.index_select(0, table).view(batch, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2)
+    v = v_cache.index_select(0, table).view(batch, -1, *v_cache.shape[2:])[:, :max_len].transpose(1, 2)
     valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].long()
     out = F.scaled_dot_product_attention(
         q.float()[:, :, None],
@@ -170,7 +173,7 @@ def gather_blocks(
 
     Returns [layer_end - layer_start, 2, n, block_size, Hkv, D].
     """
-    return kv_cache[layer_start:layer_end, :, block_ids.long()].contiguous()
+    return kv_cache[layer_start:layer_end].index_select(2, block_ids.long())
 
 
 def scatter_blocks(
