@@ -2,7 +2,7 @@
 
 A chunk is the C-contiguous tensor [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]
 of one layer range x one block range of a request, as `ops.gather_blocks` packs it. Every chunk
-carries the full layout and a CRC32; the receiver checks both, the ranges and the size before a
+carries the full layout and an XXH3-64 checksum; the receiver checks both, the ranges and the size before a
 byte reaches its cache, and checks at the end that every (layer, block) arrived exactly once.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from kvrelay.kvtransfer.chunk_wire import checksum
 from kvrelay.kvtransfer.errors import ChunkError, LayoutMismatchError
 from kvrelay.v1 import kv_pb2
 
@@ -134,22 +134,10 @@ def plan_chunks(layout: KVLayout, layer_start: int, layer_end: int, num_blocks: 
     return out
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def fill_chunk(msg: kv_pb2.KVChunk, layout_msg: kv_pb2.KVLayout, r: ChunkRange, num_tokens: int,
-               t: torch.Tensor) -> int:
-    """Fill msg (in place: wrapping a built chunk in another message would copy its payload)
-    with tensor t of range r; returns the payload size."""
-    data = tensor_bytes(t)
-    msg.layout.CopyFrom(layout_msg)
-    msg.layer_start, msg.layer_end, msg.block_start, msg.block_end = (
-        r.layer_start, r.layer_end, r.block_start, r.block_end)
-    msg.num_tokens = num_tokens
-    msg.crc32 = zlib.crc32(data)
-    msg.data = data
-    return len(data)
+def chunk_header(layout_msg: kv_pb2.KVLayout, r: ChunkRange, num_tokens: int) -> kv_pb2.KVChunk:
+    """Every KVChunk field but the payload and its checksum (chunk_wire.encode_chunk_message adds them)."""
+    return kv_pb2.KVChunk(layout=layout_msg, layer_start=r.layer_start, layer_end=r.layer_end,
+                          block_start=r.block_start, block_end=r.block_end, num_tokens=num_tokens)
 
 
 class ChunkVerifier:
@@ -163,8 +151,9 @@ class ChunkVerifier:
         self.seen = np.zeros((layout.num_layers, num_blocks), dtype=bool)
         self.bytes = 0
 
-    def verify(self, chunk: kv_pb2.KVChunk) -> tuple[ChunkRange, torch.Tensor]:
-        """Checked (range, tensor) of a chunk; raises LayoutMismatchError or ChunkError."""
+    def verify(self, chunk: kv_pb2.KVChunk, payload=None) -> tuple[ChunkRange, torch.Tensor]:
+        """Checked (range, tensor) of a chunk whose data is `payload` (a bytes-like view, from
+        chunk_wire) or else chunk.data; raises LayoutMismatchError or ChunkError."""
         lay = self.layout
         check_layout(lay, KVLayout.from_proto(chunk.layout), "KV chunk")
         r = ChunkRange(chunk.layer_start, chunk.layer_end, chunk.block_start, chunk.block_end)
@@ -177,12 +166,12 @@ class ChunkVerifier:
         shape = (r.layer_end - r.layer_start, 2, r.block_end - r.block_start, lay.block_size,
                  lay.num_kv_heads, lay.head_dim)
         want = int(np.prod(shape)) * lay.torch_dtype.itemsize
-        data = chunk.data  # each access copies the payload: read it once
+        data = chunk.data if payload is None else payload  # chunk.data copies on each access: read once
         if len(data) != want:
             raise ChunkError(f"KV chunk carries {len(data)} bytes, its shape {shape} needs {want}")
-        crc = zlib.crc32(data)
-        if crc != chunk.crc32:
-            raise ChunkError(f"KV chunk checksum mismatch (crc32 {crc:#010x}, sent {chunk.crc32:#010x}): "
+        digest = checksum(data)
+        if digest != chunk.xxh3_64:
+            raise ChunkError(f"KV chunk checksum mismatch (xxh3_64 {digest:#018x}, sent {chunk.xxh3_64:#018x}): "
                              f"corrupted in transit")
         window = self.seen[r.layer_start:r.layer_end, r.block_start:r.block_end]
         if window.any():

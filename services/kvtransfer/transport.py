@@ -28,6 +28,7 @@ import torch
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer.chunk_wire import PREFILL_METHOD, ServerMessage, decode_server_message
 from kvrelay.kvtransfer.convert import logprob_from_proto, params_to_proto
 from kvrelay.kvtransfer.errors import ChunkError, HandoffError, LayoutMismatchError, PrefillFailedError
 from kvrelay.kvtransfer.grpc_options import channel_options
@@ -38,7 +39,7 @@ from kvrelay.kvtransfer.layout import (
     KVLayout,
     check_layout,
 )
-from kvrelay.v1 import kv_pb2, prefill_pb2_grpc
+from kvrelay.v1 import kv_pb2
 
 WriteFn = Callable[[list[tuple[ChunkRange, torch.Tensor]]], Awaitable[None]]
 
@@ -95,11 +96,14 @@ class GrpcKVTransport(KVTransport):
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _stub(self, addr: str) -> prefill_pb2_grpc.PrefillServiceStub:
+    def _prefill_call(self, addr: str) -> grpc.aio.StreamStreamCall:
         ch = self._channels.get(addr)
         if ch is None:
             ch = self._channels[addr] = grpc.aio.insecure_channel(addr, options=channel_options(self.max_message_bytes))
-        return prefill_pb2_grpc.PrefillServiceStub(ch)
+        # Not the generated stub: chunk payloads are read as views of the received buffer.
+        method = ch.stream_stream(PREFILL_METHOD, request_serializer=kv_pb2.PrefillClientMessage.SerializeToString,
+                                  response_deserializer=decode_server_message)
+        return method()
 
     async def close(self) -> None:
         for ch in self._channels.values():
@@ -107,7 +111,7 @@ class GrpcKVTransport(KVTransport):
         self._channels.clear()
 
     async def pull(self, prefill_addr: str, request: HandoffRequest, dest: KVDestination) -> HandoffResult:
-        call = self._stub(prefill_addr).Prefill()
+        call = self._prefill_call(prefill_addr)
         # The exchange runs in its own task: cancelling a task blocked in call.read() would cancel
         # the RPC before the explicit abort message could go out.
         inner = asyncio.create_task(self._run(call, request, dest))
@@ -135,10 +139,10 @@ class GrpcKVTransport(KVTransport):
             params=params_to_proto(request.params), priority=request.priority,
             expected_layout=self.layout.to_proto(), max_message_bytes=self.max_message_bytes)
         await call.write(kv_pb2.PrefillClientMessage(start=start))
-        msg = await _read(call)
-        if msg.WhichOneof("kind") != "header":
-            raise PrefillFailedError(f"hand-off began with {msg.WhichOneof('kind')!r}, expected a header")
-        header = msg.header
+        rx = await _read(call)
+        if rx.kind() != "header":
+            raise PrefillFailedError(f"hand-off began with {rx.kind()!r}, expected a header")
+        header = rx.msg.header
         t0 = None  # first chunk received: transfer time excludes waiting for the prefill to start
         check_layout(self.layout, KVLayout.from_proto(header.layout), "hand-off header")
         if header.num_tokens != len(request.prompt_ids) or header.num_blocks != len(dest.block_ids):
@@ -148,11 +152,11 @@ class GrpcKVTransport(KVTransport):
         writer = _BatchWriter(dest.write)
         try:
             while True:
-                msg = await _read(call)
-                kind = msg.WhichOneof("kind")
+                rx = await _read(call)
+                kind, msg = rx.kind(), rx.msg
                 if kind == "chunk":
                     t0 = t0 or time.monotonic()
-                    writer.add(*verifier.verify(msg.chunk))
+                    writer.add(*verifier.verify(msg.chunk, rx.payload))
                 elif kind == "done":
                     await writer.drain()
                     verifier.check_complete()
@@ -174,7 +178,7 @@ class GrpcKVTransport(KVTransport):
             await writer.close()
 
 
-async def _read(call):
+async def _read(call) -> ServerMessage:
     msg = await call.read()
     if msg is grpc.aio.EOF:
         raise PrefillFailedError("the prefill worker closed the hand-off stream early")

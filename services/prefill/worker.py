@@ -24,9 +24,10 @@ import torch
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError
 from kvrelay.engine.sequence import Status
+from kvrelay.kvtransfer.chunk_wire import PREFILL_SERVICE, encode_chunk_message
 from kvrelay.kvtransfer.convert import logprob_to_proto, params_from_proto
 from kvrelay.kvtransfer.errors import LayoutMismatchError
-from kvrelay.kvtransfer.layout import ChunkRange, KVLayout, check_layout, fill_chunk, plan_chunks
+from kvrelay.kvtransfer.layout import ChunkRange, KVLayout, check_layout, chunk_header, plan_chunks
 from kvrelay.kvtransfer.leases import Lease, LeaseTable
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.worker_base import WorkerBase, WorkerOptions
@@ -91,7 +92,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         self._reaper: asyncio.Task | None = None
 
     def add_services(self, server: grpc.aio.Server) -> None:
-        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self, server)
+        add_prefill_service(self, server)
 
     def active_handoffs(self) -> int:
         return len(self.leases)
@@ -179,8 +180,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                 ev = await h.events.get()
                 if ev[0] == "chunk":
                     _, r, t = ev
-                    msg = kv_pb2.PrefillServerMessage()
-                    size = fill_chunk(msg.chunk, self._layout_msg, r, h.lease.num_tokens, t)
+                    msg = encode_chunk_message(chunk_header(self._layout_msg, r, h.lease.num_tokens), t)
+                    size = t.numel() * t.element_size()
                     await out.write(msg, lambda size=size: self._chunk_sent(h, size))
                     if self.options.debug_chunk_delay_s:
                         await out.flush()
@@ -369,3 +370,22 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                 if length == seq.prompt_len and tables[row, :n].tolist() == seq.block_table:
                     return True
         return False
+
+
+def _serialize_server_message(msg: kv_pb2.PrefillServerMessage | bytes) -> bytes:
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def add_prefill_service(servicer, server: grpc.aio.Server) -> None:
+    """What the generated add_PrefillServiceServicer_to_server does, except that Prefill may
+    also write KV chunks already serialised by chunk_wire (bytes), which pass through as they are."""
+    handlers = {
+        "Prefill": grpc.stream_stream_rpc_method_handler(
+            servicer.Prefill, request_deserializer=kv_pb2.PrefillClientMessage.FromString,
+            response_serializer=_serialize_server_message),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=prefill_pb2.AbortRequest.FromString,
+            response_serializer=prefill_pb2.AbortReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PREFILL_SERVICE, handlers),))
+    server.add_registered_method_handlers(PREFILL_SERVICE, handlers)

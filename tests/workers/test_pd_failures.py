@@ -206,15 +206,15 @@ async def test_corrupted_chunk_is_detected_never_used(monkeypatch):
     """A chunk whose bytes changed in transit fails its checksum; the decode worker drops the
     attempt (freeing its blocks) and prefills locally; with local prefill off it is an error."""
     import kvrelay.prefill.worker as prefill_worker
-    from kvrelay.kvtransfer.layout import fill_chunk
+    from kvrelay.kvtransfer.chunk_wire import encode_chunk_message
 
-    def corrupting_fill(msg, *args):
-        size = fill_chunk(msg, *args)
-        if msg.block_start == 0:
-            msg.data = bytes([msg.data[0] ^ 1]) + msg.data[1:]
-        return size
+    def corrupting_encode(header, t):
+        wire = encode_chunk_message(header, t)
+        if header.block_start == 0:  # flip one bit of the payload (the message's last bytes)
+            wire = wire[:-1] + bytes([wire[-1] ^ 1])
+        return wire
 
-    monkeypatch.setattr(prefill_worker, "fill_chunk", corrupting_fill)
+    monkeypatch.setattr(prefill_worker, "encode_chunk_message", corrupting_encode)
     pair = await start_pair()
     try:
         want = await reference_tokens(PROMPT[:100], SEEDED)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-import zlib
 
 import pytest
 import torch
 from kvrelay.engine.outputs import RequestOutput, TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer.chunk_wire import checksum, decode_server_message, encode_chunk_message
 from kvrelay.kvtransfer.convert import output_from_proto, output_to_proto, params_from_proto, params_to_proto
 from kvrelay.kvtransfer.errors import ChunkError, LayoutMismatchError
 from kvrelay.kvtransfer.layout import (
@@ -17,7 +17,7 @@ from kvrelay.kvtransfer.layout import (
     ChunkVerifier,
     KVLayout,
     check_layout,
-    fill_chunk,
+    chunk_header,
     plan_chunks,
 )
 from kvrelay.kvtransfer.leases import Lease, LeaseTable
@@ -29,8 +29,9 @@ LAYOUT = KVLayout("m", "rev1", "float32", block_size=4, num_layers=3, num_kv_hea
 def _chunk(r: ChunkRange, num_tokens: int = 10, layout: KVLayout = LAYOUT, dtype=torch.float32):
     t = torch.randn(r.layer_end - r.layer_start, 2, r.block_end - r.block_start, layout.block_size,
                     layout.num_kv_heads, layout.head_dim).to(dtype)
-    msg = kv_pb2.KVChunk()
-    fill_chunk(msg, layout.to_proto(), r, num_tokens, t)
+    wire = encode_chunk_message(chunk_header(layout.to_proto(), r, num_tokens), t)
+    # What any protobuf parser makes of the hand-framed bytes: a plain KVChunk with data.
+    msg = kv_pb2.PrefillServerMessage.FromString(wire).chunk
     return msg, t
 
 
@@ -56,6 +57,38 @@ def test_verified_chunk_round_trips_exactly():
     r, got = v.verify(kv_pb2.KVChunk.FromString(msg.SerializeToString()))
     assert r == ChunkRange(0, 3, 0, 3) and torch.equal(got, t)
     v.check_complete()
+
+
+def test_framed_chunk_is_read_without_copying_the_payload():
+    r = ChunkRange(0, 3, 0, 3)
+    t = torch.randn(3, 2, 3, 4, 2, 8)
+    wire = encode_chunk_message(chunk_header(LAYOUT.to_proto(), r, 10), t)
+    rx = decode_server_message(wire)
+    assert rx.kind() == "chunk" and rx.payload is not None and rx.payload.obj is wire  # a view, no copy
+    assert rx.msg.chunk.data == b"" and rx.msg.chunk.block_end == 3 and rx.msg.chunk.layout.model_revision == "rev1"
+    got_r, got = ChunkVerifier(LAYOUT, 10, 3).verify(rx.msg.chunk, rx.payload)
+    assert got_r == r and torch.equal(got, t)
+    # The same bytes flipped at the payload's last byte: caught by the checksum.
+    bad = decode_server_message(wire[:-1] + bytes([wire[-1] ^ 1]))
+    with pytest.raises(ChunkError, match="checksum mismatch"):
+        ChunkVerifier(LAYOUT, 10, 3).verify(bad.msg.chunk, bad.payload)
+
+
+def test_generically_serialised_messages_decode_too():
+    """Another implementation's protobuf encoder (fields in number order, checksum after data)
+    and every non-chunk message go through the same deserializer."""
+    msg, t = _chunk(ChunkRange(0, 1, 0, 2))
+    wire = kv_pb2.PrefillServerMessage(chunk=msg).SerializeToString()
+    rx = decode_server_message(wire)
+    assert rx.payload is not None and bytes(rx.payload) == msg.data
+    assert torch.equal(ChunkVerifier(LAYOUT, 10, 3).verify(rx.msg.chunk, rx.payload)[1], t)
+    done = kv_pb2.PrefillServerMessage(done=kv_pb2.PrefillDone(first_token_id=7, total_bytes=99))
+    rx = decode_server_message(done.SerializeToString())
+    assert rx.kind() == "done" and rx.payload is None and rx.msg == done
+    from google.protobuf.message import DecodeError
+
+    with pytest.raises(DecodeError):
+        decode_server_message(b"\x12\x05\x42\xff\xff")  # a chunk whose data length runs past the end
 
 
 def test_bfloat16_chunks_round_trip():
@@ -93,7 +126,7 @@ def test_bad_ranges_sizes_duplicates_and_gaps_are_errors():
         v.verify(msg)
     msg, _ = _chunk(ChunkRange(0, 1, 0, 1))
     msg.data = msg.data[:-4]
-    msg.crc32 = zlib.crc32(msg.data)
+    msg.xxh3_64 = checksum(msg.data)
     with pytest.raises(ChunkError, match="bytes"):
         v.verify(msg)
     msg, _ = _chunk(ChunkRange(0, 2, 0, 2))
