@@ -6,10 +6,18 @@ Requests arrive at a fixed rate (open loop: one every 1/rate s, whatever the pre
 are doing) and alternate between two paths onto the SAME engine, so both see the same
 engine load and CPU contention:
 
-  direct   AsyncEngine.generate() on the gateway's engine, no HTTP;
+  direct   AsyncEngine.generate() on the gateway's engine, no HTTP, issued in this process;
   gateway  POST /v1/completions with stream=true over loopback HTTP/SSE, one connection per
-           request, read by a minimal raw-socket client (so client-library parsing is not
-           billed to the gateway).
+           request, from a minimal raw-socket client in a child process (a real client never
+           shares the gateway's process; in-process, the client's own socket reads ran on the
+           gateway's event loop and held the GIL against the engine: --in-process-client).
+
+With --cluster it measures the cluster role instead: a prefill worker, a decode worker and
+`kvrelay gateway` run as separate processes (the bundled model), and this process is the
+client of both paths:
+
+  direct   DecodeClient.generate() over gRPC to the decode worker, prefilled on the prefill worker;
+  gateway  the same request as HTTP/SSE through the gateway, which routes it to the same pair.
 
 It prints p50/p99 of time to first token and end-to-end time per path, and the added
 latency (gateway percentile minus direct percentile).  Target: p50 <= 3 ms and p99 <= 10 ms added.
@@ -21,17 +29,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-
-import yaml
-from kvrelay.engine.engine_args import EngineArgs
-from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.gateway.tenants import hash_key
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She"
 
@@ -41,10 +47,14 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
-async def open_loop(rate: float, count: int, one) -> list[tuple[float, float]]:
-    start = time.perf_counter()
+async def open_loop(rate: float, count: int, one, start: float | None = None, parity: int | None = None) -> list:
+    """Calls one(i) at start + i / rate (perf_counter is CLOCK_MONOTONIC: shared by processes);
+    with parity, only for the i of that parity."""
+    start = time.perf_counter() if start is None else start
     tasks = []
     for i in range(count):
+        if parity is not None and i % 2 != parity:
+            continue
         delay = start + i / rate - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
@@ -54,6 +64,9 @@ async def open_loop(rate: float, count: int, one) -> list[tuple[float, float]]:
 
 def write_tenants(folder: str) -> str:
     """One tenant with (generous) quotas on every limit, so each limit's check runs."""
+    import yaml
+    from kvrelay.gateway.tenants import hash_key
+
     tenants = os.path.join(folder, "tenants.yaml")
     with open(tenants, "w") as f:
         yaml.safe_dump({"tenants": [{"id": "bench", "api_keys_sha256": [hash_key("bench-key")], "quotas": {
@@ -62,9 +75,54 @@ def write_tenants(folder: str) -> str:
     return tenants
 
 
+def http_request(port: int, max_tokens: int) -> bytes:
+    body = {"model": "stories260K", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    payload = json.dumps(body).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer bench-key\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+            ).encode() + payload
+
+
+async def stream_once(port: int, request: bytes) -> tuple[float, float]:
+    """(TTFT, end-to-end) of one streamed request, read by a minimal HTTP/1.1 client on a raw
+    connection (httpx's own parsing would otherwise be billed to the gateway). The first
+    `data: {` event carries the first token."""
+    t0 = time.perf_counter()
+    ttft = None
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    buffered = b""
+    while True:
+        data = await reader.read(65536)
+        if not data:
+            raise RuntimeError(f"gateway closed the stream early: {buffered[:300]!r}")
+        if ttft is None and b"data: {" in data:
+            ttft = time.perf_counter() - t0
+        buffered = buffered[-16:] + data
+        if b"data: [DONE]" in buffered:
+            break
+    writer.close()
+    return ttft, time.perf_counter() - t0
+
+
+async def client_process(args) -> None:
+    """Child: warm up, then the gateway half (odd i) of the open-loop schedule; prints results."""
+    request = http_request(args.client_port, args.max_tokens)
+    for _ in range(5):
+        await stream_once(args.client_port, request)
+
+    async def one(i: int):
+        return await stream_once(args.client_port, request)
+
+    print(json.dumps(await open_loop(args.rate, args.requests, one, start=args.start, parity=1)), flush=True)
+
+
 async def run_interleaved(args, folder: str) -> tuple[list, list]:
     """Gateway (uvicorn in this event loop) and direct engine calls, alternating, on one engine."""
     import uvicorn
+    from kvrelay.engine.engine_args import EngineArgs
+    from kvrelay.engine.sampling_params import SamplingParams
     from kvrelay.gateway.app import Gateway, create_app
     from kvrelay.gateway.backend import LocalBackend
     from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStore
@@ -83,12 +141,7 @@ async def run_interleaved(args, folder: str) -> tuple[list, list]:
         await asyncio.sleep(0.01)
     engine = gateway.backend.engine
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    body = {"model": "stories260K", "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    payload = json.dumps(body).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer bench-key\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-               ).encode() + payload
+    request = http_request(port, args.max_tokens)
     direct, via = [], []
 
     async def one_direct(i: int):
@@ -100,36 +153,124 @@ async def run_interleaved(args, folder: str) -> tuple[list, list]:
         direct.append((ttft, time.perf_counter() - t0))
 
     async def one_gateway(i: int):
-        # A minimal HTTP/1.1 client on a raw connection: httpx's own parsing would otherwise be
-        # billed to the gateway. The first `data: {` event carries the first token.
-        t0 = time.perf_counter()
-        ttft = None
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(request)
-        buffered = b""
-        while True:
-            data = await reader.read(65536)
-            if not data:
-                raise RuntimeError(f"gateway closed the stream early: {buffered[:300]!r}")
-            if ttft is None and b"data: {" in data:
-                ttft = time.perf_counter() - t0
-            buffered = buffered[-16:] + data
-            if b"data: [DONE]" in buffered:
-                break
-        via.append((ttft, time.perf_counter() - t0))
-        writer.close()
+        via.append(await stream_once(port, request))
 
     async def one(i: int):
         await (one_gateway(i) if i % 2 else one_direct(i))
 
-    for i in range(10):  # warm-up
-        await one(-1 - i)
-    direct.clear()
-    via.clear()
-    await open_loop(args.rate, args.requests, one)
+    if args.in_process_client:
+        for i in range(10):  # warm-up
+            await one(-1 - i)
+        direct.clear()
+        via.clear()
+        await open_loop(args.rate, args.requests, one)
+    else:
+        start = time.perf_counter() + 4.0  # the child's start-up and warm-up fit in 4 s
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--client-port", str(port), "--start", repr(start), "--rate", str(args.rate),
+            "--requests", str(args.requests), "--max-tokens", str(args.max_tokens), stdout=subprocess.PIPE)
+        for i in range(5):  # warm-up
+            await one_direct(-1 - i)
+        direct.clear()
+        await open_loop(args.rate, args.requests, one_direct, start=start, parity=0)
+        out, _ = await child.communicate()
+        if child.returncode:
+            raise RuntimeError(f"client process failed with exit code {child.returncode}")
+        via = [tuple(r) for r in json.loads(out.decode().strip().splitlines()[-1])]
     server.should_exit = True
     await serve
     return direct, via
+
+
+class Process:
+    """A kvrelay command in its own process, started once it prints what `ready` matches (None: at once)."""
+
+    def __init__(self, args: list[str], ready: str | None):
+        import re
+        import threading
+
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env)
+        for line in self.proc.stdout if ready else ():
+            m = re.search(ready, line)
+            if m:
+                self.match = m
+                threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+                return
+        if ready:
+            raise RuntimeError(f"`kvrelay {' '.join(args)}` exited before it was ready")
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def run_cluster(args, folder: str) -> tuple[list, list]:
+    """Prefill worker, decode worker and gateway processes; this process calls the decode worker
+    directly and the gateway, alternating, on the same open-loop schedule."""
+    import httpx
+    from kvrelay.engine.sampling_params import SamplingParams
+    from kvrelay.kvtransfer.client import DecodeClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    listening = r"listening on ([\d.]+):(\d+)"
+    procs = []
+    try:
+        procs.append(Process(["prefill", "--host", "127.0.0.1", "--port", "0"], listening))
+        prefill_addr = ":".join(procs[-1].match.groups())
+        procs.append(Process(["decode", "--host", "127.0.0.1", "--port", "0"], listening))
+        decode_addr = ":".join(procs[-1].match.groups())
+        gateway = ["gateway", "--host", "127.0.0.1", "--port", str(port), "--prefill", prefill_addr,
+                   "--decode", decode_addr, "--tenants", write_tenants(folder), "--log-level", "warning"]
+        if args.redis_url:
+            gateway += ["--redis-url", args.redis_url]
+        procs.append(Process(gateway, None))
+        async with httpx.AsyncClient() as http:
+            for _ in range(300):  # the gateway is ready once it sees both workers' load streams
+                with contextlib.suppress(httpx.TransportError):
+                    if (await http.get(f"http://127.0.0.1:{port}/ready")).status_code == 200:
+                        break
+                if procs[-1].proc.poll() is not None:
+                    raise RuntimeError("the gateway exited at start-up")
+                await asyncio.sleep(0.1)
+            else:
+                raise RuntimeError("the gateway never became ready")
+        client = DecodeClient(decode_addr)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        request = http_request(port, args.max_tokens)
+        direct, via = [], []
+
+        async def one_direct() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            ttft = None
+            async for out in client.generate(PROMPT, params, prefill_addr=prefill_addr):
+                if ttft is None and out.new_token_ids:
+                    ttft = time.perf_counter() - t0
+            return ttft, time.perf_counter() - t0
+
+        async def one(i: int):
+            if i % 2:
+                via.append(await stream_once(port, request))
+            else:
+                direct.append(await one_direct())
+
+        for i in range(10):  # warm-up
+            await one(-1 - i)
+        direct.clear()
+        via.clear()
+        await open_loop(args.rate, args.requests, one)
+        await client.close()
+        return direct, via
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
 
 
 def summary(name: str, results: list[tuple[float, float]]) -> dict[str, float]:
@@ -147,11 +288,25 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--redis-url", default=None, help="quota store for the gateway run (default: in-memory)")
+    parser.add_argument("--in-process-client", action="store_true",
+                        help="read the gateway's streams from this process's event loop (the old set-up)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="prefill + decode workers and `kvrelay gateway` as processes; direct = gRPC to the decode worker")
+    parser.add_argument("--client-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--start", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.client_port:
+        return asyncio.run(client_process(args))
+    if args.cluster:
+        setup = "cluster role: prefill, decode and gateway processes, this process the client of both paths"
+    else:
+        where = "the gateway process" if args.in_process_client else "its own process"
+        setup = f"kvrelay serve (in-process engine), HTTP client in {where}"
     print(f"{args.requests} streaming requests at {args.rate}/s, {args.max_tokens} tokens each, "
-          f"quota store: {'redis' if args.redis_url else 'memory'}")
+          f"quota store: {'redis' if args.redis_url else 'memory'}; {setup}")
     with tempfile.TemporaryDirectory() as folder:
-        direct_results, via_results = asyncio.run(run_interleaved(args, folder))
+        run = run_cluster if args.cluster else run_interleaved
+        direct_results, via_results = asyncio.run(run(args, folder))
     direct = summary("direct", direct_results)
     via = summary("gateway", via_results)
     for key in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99"):
