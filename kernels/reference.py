@@ -100,6 +100,11 @@ def _decode_attention_padded(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return out[:, :, 0].to(q.dtype)
 
 
+# Sequences per decode-attention bucket: 64 decodes of 100-700 tokens (8 heads of 64, fp32) took
+# 19.7 ms in 4 buckets, 13.6 ms in 8 and 13.0 ms in 16 on a 2-core Xeon.
+DECODE_BUCKET = 8
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -110,15 +115,17 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence against its whole paged context. q[B, Hq, D] -> [B, Hq, D].
 
-    Sequences are sorted by length and processed in up to 4 buckets, each padded only to its
-    own longest member, so mixed lengths do not gather (and attend over) mostly padding.
+    Sequences are sorted by length and processed in buckets of about DECODE_BUCKET sequences,
+    each padded only to its own longest member, so mixed lengths do not gather (and attend over)
+    mostly padding, and each bucket's gathered copy is small enough to still be in cache when
+    attention reads it back.
     """
     batch = q.shape[0]
-    if batch <= 8:
+    if batch <= DECODE_BUCKET:
         return _decode_attention_padded(q, k_cache, v_cache, block_tables, seq_lens, scale)
     order = torch.argsort(seq_lens)
     out = torch.empty_like(q)
-    for idx in torch.tensor_split(order, 4):
+    for idx in torch.tensor_split(order, -(-batch // DECODE_BUCKET)):
         out[idx] = _decode_attention_padded(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale)
     return out
 
