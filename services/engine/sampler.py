@@ -1,4 +1,4 @@
-"""Turn next-token logits into tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+"""Turn next-token logits into tokens: penalties, logit bias, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 Each seeded sequence draws its noise from its own generator, so what it samples does not
 depend on which other sequences share the batch.
@@ -58,6 +58,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]
         p = seq.params
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             _apply_penalties(logits[i], seq)
+        if p.logit_bias:
+            bias = p.logit_bias
+            logits[i, torch.tensor(list(bias), dtype=torch.int64)] += torch.tensor(list(bias.values()))
         if seq.num_generated < p.min_tokens and seq.stop_ids:
             logits[i, list(seq.stop_ids)] = float("-inf")
 

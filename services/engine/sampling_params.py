@@ -9,6 +9,7 @@ from kvrelay.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI allows
 
 
 @dataclass
@@ -29,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob plus top-k alternatives
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +89,23 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logit_bias is not None:
+            self._validate_logit_bias(vocab_size, bad)
+
+    def _validate_logit_bias(self, vocab_size: int | None, bad) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            bad("logit_bias", "must map token ids to biases")
+        if len(bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                bad("logit_bias", f"keys must be token ids (non-negative integers), got {token!r}")
+            if vocab_size is not None and token >= vocab_size:
+                bad("logit_bias", f"token id {token} is not below the vocab size {vocab_size}")
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or not -100.0 <= value <= 100.0):
+                bad("logit_bias", f"bias of token {token} must be a number in [-100, 100], got {value!r}")
 
 
 def defaults_from_generation_config(generation_config: dict) -> SamplingParams:

@@ -139,7 +139,7 @@ class Gateway:
             presence_penalty=float(body.presence_penalty), frequency_penalty=float(body.frequency_penalty),
             # The engine seeds a 64-bit generator: fold any integer into its range, deterministically.
             seed=None if body.seed is None else body.seed % (2**63),
-            stop=stop, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            stop=stop, ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
         )
         try:
             params.validate(self.backend.tokenizer.vocab_size)
@@ -295,6 +295,18 @@ async def _merged(backend, p: Prepared):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's string keys as token ids; SamplingParams.validate checks them against the vocab."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise errors.bad_request(f"logit_bias: keys must be token ids, got {key[:32]!r}", "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def _token_text(tok, token_id: int) -> str:

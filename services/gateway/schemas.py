@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from kvrelay.engine.sampling_params import MAX_LOGPROBS, MAX_N
+from kvrelay.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOP = 16
@@ -41,6 +41,9 @@ class _SamplingFields(_Strict):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+    # Token id (as a string, as OpenAI sends it) -> bias in [-100, 100] added to its logit.
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # Extensions beyond OpenAI's set (vLLM clients send them through `extra_body`).
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None

@@ -16,6 +16,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     for k in ("max_tokens", "seed", "logprobs"):
         if getattr(p, k) is not None:
             setattr(msg, k, getattr(p, k))
+    if p.logit_bias:
+        msg.logit_bias.update(p.logit_bias)
     return msg
 
 
@@ -25,6 +27,7 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     p.stop_token_ids = list(msg.stop_token_ids)
     for k in ("max_tokens", "seed", "logprobs"):
         setattr(p, k, getattr(msg, k) if msg.HasField(k) else None)
+    p.logit_bias = dict(msg.logit_bias) or None
     return p
 
 

@@ -39,6 +39,11 @@ def engine():
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [100_000]}, "stop_token_ids"),
         ({"seed": "abc"}, "seed"),
+        ({"logit_bias": {512: 1.0}}, "logit_bias"),  # stories260K's vocab is 512
+        ({"logit_bias": {5: 101.0}}, "logit_bias"),
+        ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(engine, params, field):

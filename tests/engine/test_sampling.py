@@ -154,3 +154,16 @@ def test_ignore_eos_still_honours_stop_token_ids():
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[ids[4]])
     outs = _collect(engine, "Lily", params, "ie")
     assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == ids[4]
+
+
+def test_logit_bias_forces_and_bans_tokens():
+    engine = make_engine(BUNDLED_MODEL)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = run_engine(engine, {"x": ("Once upon a time", greedy)})["x"]
+    forced = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={300: 100.0})
+    banned = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={plain[0]: -100.0})
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, logit_bias={300: 100.0})
+    out = run_engine(engine, {"forced": ("Once upon a time", forced), "banned": ("Once upon a time", banned),
+                              "seeded": ("Once upon a time", seeded)})
+    assert out["forced"] == [300] * 12 and out["seeded"] == [300] * 12
+    assert out["banned"][0] != plain[0] and plain[0] not in out["banned"]

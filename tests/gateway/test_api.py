@@ -115,6 +115,22 @@ def test_error_statuses_through_the_client(client):
     assert e.value.body["param"] == "messages"
 
 
+def test_logit_bias_forces_a_token_and_bad_maps_are_400(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                  logit_bias={"300": 100}, logprobs=0)
+    tok = r.choices[0].logprobs.tokens
+    assert len(tok) == 6 and len(set(tok)) == 1  # token 300, six times
+    plain = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert plain.choices[0].text != r.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logit_bias={"300": 100}, logprobs=True)
+    assert {c.token for c in chat.choices[0].logprobs.content} == {tok[0]}
+    for bad in ({"abc": 1}, {"99999": 1}, {"5": 250}, {"1" * 40: 1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1, logit_bias=bad)
+        assert e.value.body["param"].startswith("logit_bias"), bad
+
+
 def test_disconnect_aborts_and_frees_kv_blocks(open_gateway):
     engine = open_gateway.engine
     total = engine.stats().kv_blocks_total

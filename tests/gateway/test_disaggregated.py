@@ -49,6 +49,8 @@ def test_completions_through_workers_match_the_local_engine(cluster_gateway, ope
     assert remote.completions.create(**kwargs).choices[0].text == expected
     chunks = list(remote.completions.create(**kwargs, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    biased = {**kwargs, "logit_bias": {"300": 100}}  # crosses the gRPC hop in the sampling params
+    assert remote.completions.create(**biased).choices[0].text == local.completions.create(**biased).choices[0].text
     chat = remote.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     assert chat.usage.completion_tokens == 5
     metrics = httpx.get(cluster_gateway.url + "/metrics").text
