@@ -15,6 +15,7 @@ from kvrelay.engine.engine_args import EngineArgs, parse_bytes
 from kvrelay.kvtransfer.grpc_options import server_options
 from kvrelay.kvtransfer.layout import DEFAULT_MAX_MESSAGE_BYTES, KVLayout, plan_chunks
 from kvrelay.kvtransfer.load import LoadServicer
+from kvrelay.kvtransfer.malloc_tuning import keep_large_buffers_mapped
 from kvrelay.kvtransfer.metrics import WorkerMetrics
 from kvrelay.v1 import load_pb2_grpc
 
@@ -112,6 +113,7 @@ class WorkerBase:
 
 
 async def serve_forever(worker_cls, args: argparse.Namespace) -> int:
+    keep_large_buffers_mapped()
     engine = AsyncEngine(EngineArgs.from_cli(args))
     worker = worker_cls(engine, options_from_cli(args))
     port = await worker.start(args.host, args.port)

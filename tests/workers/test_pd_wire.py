@@ -181,3 +181,14 @@ def test_worker_refuses_a_message_bound_that_cannot_carry_one_block():
 
     with pytest.raises(ValueError, match="raise --max-message-bytes"):
         DecodeWorker(AsyncEngine(EngineArgs(num_kv_blocks=32)), WorkerOptions(max_message_bytes=4200))
+
+
+def test_workers_keep_large_buffers_mapped_on_glibc():
+    """Applied at worker start-up (serve_forever); glibc accepts both settings."""
+    import platform
+
+    from kvrelay.kvtransfer.malloc_tuning import keep_large_buffers_mapped
+
+    applied = keep_large_buffers_mapped()
+    if platform.libc_ver()[0] == "glibc":
+        assert applied
