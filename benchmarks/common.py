@@ -68,3 +68,14 @@ def workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def stop_process(proc) -> None:
+    """SIGTERM, then SIGKILL if the process is still there after 10 s."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -35,6 +35,9 @@ from kvrelay.kvtransfer.client import DecodeClient
 
 from kvrelay.models import BUNDLED_MODEL
 
+sys.path.insert(0, str(Path(__file__).parent))
+from common import stop_process
+
 CONFIG = {  # ~32M parameters: 5 layers x 6.3M + embeddings; GQA 12 query / 4 KV heads of 64
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 768,
     "intermediate_size": 2048, "num_hidden_layers": 5, "num_attention_heads": 12, "num_key_value_heads": 4,
@@ -80,11 +83,7 @@ class Worker:
         return 0.0
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
 
 
 def free_port() -> int:

@@ -39,6 +39,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import stop_process
+
 PROMPT = "Once upon a time, there was a little girl named Lily. She"
 
 
@@ -203,11 +206,7 @@ class Process:
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
 
 
 async def run_cluster(args, folder: str) -> tuple[list, list]:
