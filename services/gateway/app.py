@@ -76,6 +76,7 @@ class Prepared:
     created: int = field(default_factory=lambda: int(time.time()))
     admission: Admission | None = None
     ticket: Ticket | None = None
+    echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
 
 
 class Gateway:
@@ -187,11 +188,22 @@ class Gateway:
         vocab = self.backend.tokenizer.vocab_size
         if any(t >= vocab for p in prompts for t in p):
             raise errors.bad_request(f"prompt: token ids must be < the vocabulary size {vocab}", "prompt")
+        if body.echo and body.logprobs is not None:
+            raise errors.bad_request("echo: not supported together with logprobs (prompt logprobs are not "
+                                     "computed)", "echo")
         params = self._params(body, body.max_tokens, "max_tokens", body.logprobs)
         reserve = self._fit_context(prompts, params, "prompt")
-        return Prepared("completion", f"cmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
-                        body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                        body.logprobs is not None, reserve)
+        p = Prepared("completion", f"cmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
+                     body.stream, bool(body.stream_options and body.stream_options.include_usage),
+                     body.logprobs is not None, reserve)
+        if body.echo:
+            if isinstance(raw, str):
+                p.echo = [raw]
+            elif isinstance(raw[0], str):
+                p.echo = list(raw)
+            else:  # token ids
+                p.echo = [self.backend.tokenizer.decode(ids) for ids in prompts]
+        return p
 
     def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
         self.check_model(body.model, tenant)
@@ -530,7 +542,8 @@ class GenerationResponse(Response):
         index, _, delta_lp = self._absorb(i, out)
         usage = {"usage": None} if p.include_usage else {}
         if p.kind == "completion":
-            choice = {"index": index, "text": out.text, "logprobs": delta_lp, "finish_reason": out.finish_reason}
+            text = p.echo[i] + out.text if p.echo and first_of_choice else out.text
+            choice = {"index": index, "text": text, "logprobs": delta_lp, "finish_reason": out.finish_reason}
             return [self._chunk_base() | {"choices": [choice]} | usage]
         chunks = []
         if first_of_choice:
@@ -553,6 +566,8 @@ class GenerationResponse(Response):
         for index in sorted(self.choices):
             c = self.choices[index]
             text = "".join(c.text)
+            if p.echo:
+                text = p.echo[index // p.params.n] + text
             if p.kind == "completion":
                 lp = None
                 if p.logprobs:

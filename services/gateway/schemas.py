@@ -57,7 +57,7 @@ class CompletionRequest(_SamplingFields):
         list[TokenIds], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: Literal[False] = False
+    echo: bool = False  # put the prompt before the completion (not with logprobs)
 
 
 class TextPart(_Strict):

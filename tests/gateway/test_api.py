@@ -131,6 +131,22 @@ def test_logit_bias_forces_a_token_and_bad_maps_are_400(client):
         assert e.value.body["param"].startswith("logit_bias"), bad
 
 
+def test_echo_puts_the_prompt_before_the_completion(client):
+    kwargs = {"model": MODEL, "max_tokens": 8, "temperature": 0}
+    plain = client.completions.create(prompt="Once upon a time", **kwargs).choices[0].text
+    echoed = client.completions.create(prompt="Once upon a time", echo=True, **kwargs)
+    assert echoed.choices[0].text == "Once upon a time" + plain
+    assert echoed.usage.completion_tokens == 8
+    stream = client.completions.create(prompt="Once upon a time", echo=True, stream=True, **kwargs)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == "Once upon a time" + plain
+    two = client.completions.create(prompt=["Lily", "Tom"], echo=True, n=2, **kwargs)
+    texts = [c.text for c in sorted(two.choices, key=lambda c: c.index)]
+    assert [t[:3] for t in texts] == ["Lil", "Lil", "Tom", "Tom"]  # choices i*n..i*n+n-1 belong to prompt i
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt="x", echo=True, logprobs=1, **kwargs)
+    assert e.value.body["param"] == "echo"
+
+
 def test_disconnect_aborts_and_frees_kv_blocks(open_gateway):
     engine = open_gateway.engine
     total = engine.stats().kv_blocks_total
