@@ -100,9 +100,12 @@ def _decode_attention_padded(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return out[:, :, 0].to(q.dtype)
 
 
-# Sequences per decode-attention bucket: 64 decodes of 100-700 tokens (8 heads of 64, fp32) took
-# 19.7 ms in 4 buckets, 13.6 ms in 8 and 13.0 ms in 16 on a 2-core Xeon.
-DECODE_BUCKET = 8
+# Decode attention runs in length-sorted buckets whose padded K+V copy is at most about this
+# big (so it is still in cache when attention reads it back), of at least 8 sequences each.
+# 64 decodes of 100-700 tokens (8 KV heads of 64, fp32) took 19.7 ms in 4 buckets and 13.6 ms
+# in 8 on a 2-core Xeon; with a tiny model one bucket saves the per-bucket op overhead.
+DECODE_BUCKET_BYTES = 16 * 2**20
+MIN_BUCKET_SEQS = 8
 
 
 def paged_decode_attention(
@@ -115,17 +118,19 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence against its whole paged context. q[B, Hq, D] -> [B, Hq, D].
 
-    Sequences are sorted by length and processed in buckets of about DECODE_BUCKET sequences,
-    each padded only to its own longest member, so mixed lengths do not gather (and attend over)
-    mostly padding, and each bucket's gathered copy is small enough to still be in cache when
-    attention reads it back.
+    Sequences are sorted by length and processed in buckets, each padded only to its own longest
+    member, so mixed lengths do not gather (and attend over) mostly padding, and each bucket's
+    gathered copy is small enough to still be in cache when attention reads it back.
     """
     batch = q.shape[0]
-    if batch <= DECODE_BUCKET:
+    token_bytes = 2 * k_cache[0, 0].numel() * k_cache.element_size()  # K + V of one token
+    copy_bytes = batch * int(seq_lens.max()) * token_bytes
+    buckets = min(-(-copy_bytes // DECODE_BUCKET_BYTES), -(-batch // MIN_BUCKET_SEQS))
+    if buckets <= 1:
         return _decode_attention_padded(q, k_cache, v_cache, block_tables, seq_lens, scale)
     order = torch.argsort(seq_lens)
     out = torch.empty_like(q)
-    for idx in torch.tensor_split(order, -(-batch // DECODE_BUCKET)):
+    for idx in torch.tensor_split(order, buckets):
         out[idx] = _decode_attention_padded(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale)
     return out
 

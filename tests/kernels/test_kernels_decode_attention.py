@@ -83,3 +83,21 @@ def test_lengths_beyond_the_block_table_are_clamped_to_it():
     got = paged_decode_attention(q, k_cache, v_cache, case.block_tables, too_long, 0.125, num_splits=2)
     want = reference.paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens, 0.125)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_reference_buckets_agree_with_one_padded_pass(monkeypatch):
+    """The torch path splits big batches into length-sorted buckets; the split must not change
+    the result (here forced: a 1 KiB bucket budget gives ceil(20 / 8) = 3 buckets)."""
+    rng = random.Random(5)
+    lens = [rng.randint(1, 90) for _ in range(20)]
+    case = make_paged_case(rng, lens, 16, 2, 64, torch.float32)
+    q = randn((20, 4, 64), torch.float32, 6)
+    k_cache, v_cache = case.layer()
+    one = reference.paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens, 0.125)
+    monkeypatch.setattr(reference, "DECODE_BUCKET_BYTES", 1024)
+    split = reference.paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens, 0.125)
+    assert torch.allclose(one, split, atol=1e-6, rtol=0)
+    calls = []
+    monkeypatch.setattr(reference, "_decode_attention_padded", lambda q, *a: calls.append(len(q)) or q)
+    reference.paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens, 0.125)
+    assert sorted(calls) == [6, 7, 7]
