@@ -60,7 +60,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]
             _apply_penalties(logits[i], seq)
         if p.logit_bias:
             bias = p.logit_bias
-            logits[i, torch.tensor(list(bias), dtype=torch.int64)] += torch.tensor(list(bias.values()))
+            ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
         if seq.num_generated < p.min_tokens and seq.stop_ids:
             logits[i, list(seq.stop_ids)] = float("-inf")
 
