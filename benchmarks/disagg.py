@@ -36,7 +36,7 @@ from kvrelay.kvtransfer.client import DecodeClient
 from kvrelay.models import BUNDLED_MODEL
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import stop_process
+from common import free_port, stop_process
 
 CONFIG = {  # ~32M parameters: 5 layers x 6.3M + embeddings; GQA 12 query / 4 KV heads of 64
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 768,
@@ -84,14 +84,6 @@ class Worker:
 
     def stop(self) -> None:
         stop_process(self.proc)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def one_request(client: DecodeClient, prompt: list[int], params, prefill_addr) -> tuple[float, float]:

@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import stop_process
+from common import free_port, stop_process
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She"
 
@@ -109,6 +108,16 @@ async def stream_once(port: int, request: bytes) -> tuple[float, float]:
     return ttft, time.perf_counter() - t0
 
 
+async def time_outputs(outputs) -> tuple[float, float]:
+    """(TTFT, end-to-end) of iterating an async iterator of RequestOutput to its end."""
+    t0 = time.perf_counter()
+    ttft = None
+    async for out in outputs:
+        if ttft is None and out.new_token_ids:
+            ttft = time.perf_counter() - t0
+    return ttft, time.perf_counter() - t0
+
+
 async def client_process(args) -> None:
     """Child: warm up, then the gateway half (odd i) of the open-loop schedule; prints results."""
     request = http_request(args.client_port, args.max_tokens)
@@ -134,9 +143,7 @@ async def run_interleaved(args, folder: str) -> tuple[list, list]:
     tenants = write_tenants(folder)
     store = RedisQuotaStore(args.redis_url) if args.redis_url else MemoryQuotaStore()
     gateway = Gateway(LocalBackend(EngineArgs()), TenantRegistry(tenants), QuotaManager(store))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False))
     serve = asyncio.create_task(server.serve())
@@ -148,12 +155,7 @@ async def run_interleaved(args, folder: str) -> tuple[list, list]:
     direct, via = [], []
 
     async def one_direct(i: int):
-        t0 = time.perf_counter()
-        ttft = None
-        async for out in engine.generate(PROMPT, params, f"direct-{i}"):
-            if ttft is None and out.new_token_ids:
-                ttft = time.perf_counter() - t0
-        direct.append((ttft, time.perf_counter() - t0))
+        direct.append(await time_outputs(engine.generate(PROMPT, params, f"direct-{i}")))
 
     async def one_gateway(i: int):
         via.append(await stream_once(port, request))
@@ -195,15 +197,15 @@ class Process:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=env)
-        for line in self.proc.stdout if ready else ():
-            m = re.search(ready, line)
-            if m:
-                self.match = m
-                threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
-                return
+        self.match = None
         if ready:
-            raise RuntimeError(f"`kvrelay {' '.join(args)}` exited before it was ready")
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+            for line in self.proc.stdout:
+                self.match = re.search(ready, line)
+                if self.match:
+                    break
+            else:
+                raise RuntimeError(f"`kvrelay {' '.join(args)}` exited before it was ready")
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()  # keep draining
 
     def stop(self) -> None:
         stop_process(self.proc)
@@ -216,9 +218,7 @@ async def run_cluster(args, folder: str) -> tuple[list, list]:
     from kvrelay.engine.sampling_params import SamplingParams
     from kvrelay.kvtransfer.client import DecodeClient
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     listening = r"listening on ([\d.]+):(\d+)"
     procs = []
     try:
@@ -246,19 +246,11 @@ async def run_cluster(args, folder: str) -> tuple[list, list]:
         request = http_request(port, args.max_tokens)
         direct, via = [], []
 
-        async def one_direct() -> tuple[float, float]:
-            t0 = time.perf_counter()
-            ttft = None
-            async for out in client.generate(PROMPT, params, prefill_addr=prefill_addr):
-                if ttft is None and out.new_token_ids:
-                    ttft = time.perf_counter() - t0
-            return ttft, time.perf_counter() - t0
-
         async def one(i: int):
             if i % 2:
                 via.append(await stream_once(port, request))
             else:
-                direct.append(await one_direct())
+                direct.append(await time_outputs(client.generate(PROMPT, params, prefill_addr=prefill_addr)))
 
         for i in range(10):  # warm-up
             await one(-1 - i)

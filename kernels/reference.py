@@ -102,8 +102,8 @@ def _decode_attention_padded(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 # Decode attention runs in length-sorted buckets whose padded K+V copy is at most about this
 # big (so it is still in cache when attention reads it back), of at least 8 sequences each.
-# 64 decodes of 100-700 tokens (8 KV heads of 64, fp32) took 19.7 ms in 4 buckets and 13.6 ms
-# in 8 on a 2-core Xeon; with a tiny model one bucket saves the per-bucket op overhead.
+# On 2 CPU cores, 8 buckets instead of 4 at 64 decodes took benchmarks/throughput.py's kvrelay
+# run from 27.7 s to 26.4 s; with a tiny model one bucket saves the per-bucket op overhead.
 DECODE_BUCKET_BYTES = 16 * 2**20
 MIN_BUCKET_SEQS = 8
 
