@@ -3,7 +3,11 @@
 Starts worker processes (each pinned to its own core where the machine has them, one torch
 thread each) with a dummy ~32M-parameter Llama, and for prompts of 128 to 4096 tokens prints
   - TTFT and decode tokens/s seen by the client, single process vs prefill+decode,
-  - KV hand-off bytes, GB/s (first chunk received -> last chunk written into the decode cache),
+  - KV hand-off bytes and GB/s, timed by the prefill worker from the end of the prefill (before the
+    blocks are gathered) to the decode worker's ack (every chunk verified and in its cache): one
+    clock, nothing left out. The decode worker's own figure (first chunk received -> last chunk
+    written) leaves out the gather and the first chunk's trip, so it reads higher; it is printed
+    beside it,
   - layer-wise streaming: TTFT with streaming on, and the share of KV bytes sent while the
     prefill was still computing (overlap).
 The single-process baseline is a decode worker prefilling locally: same process, same client
@@ -106,9 +110,13 @@ COUNTERS = ("kvrelay:kv_transfer_bytes_total", "kvrelay:kv_transfer_seconds_sum"
             "kvrelay:kv_transfer_overlapped_bytes_total")
 
 
+SENDER_COUNTERS = ("kvrelay:time_to_first_token_seconds_sum", "kvrelay:kv_send_bytes_total",
+                   "kvrelay:kv_send_seconds_sum")
+
+
 def counters(decode: Worker, prefill: Worker | None) -> tuple[float, ...]:
-    p = prefill.metric("kvrelay:time_to_first_token_seconds_sum") if prefill else 0.0
-    return (*(decode.metric(c) for c in COUNTERS), p)
+    p = tuple(prefill.metric(c) for c in SENDER_COUNTERS) if prefill else (0.0, 0.0, 0.0)
+    return (*(decode.metric(c) for c in COUNTERS), *p)
 
 
 async def main() -> None:
@@ -143,17 +151,18 @@ async def main() -> None:
                     for name, (_, p) in workers.items():
                         samples[name].append(await one_request(clients[name], prompt, params, p.addr if p else None))
                 for name, (d, p) in workers.items():
-                    b, s, o, pt = (x - y for x, y in zip(counters(d, p), before[name]))
+                    b, s, o, pt, sb, ss = (x - y for x, y in zip(counters(d, p), before[name]))
                     ttfts = [t for t, _ in samples[name]]
                     r = results[name][n] = {
                         "ttft": statistics.median(ttfts), "tps": statistics.median(r for _, r in samples[name]),
-                        "mb": b / args.runs / 1e6, "gbps": b / s / 1e9 if s else float("nan"),
+                        "mb": b / args.runs / 1e6, "gbps": sb / ss / 1e9 if ss else float("nan"),
+                        "rx_gbps": b / s / 1e9 if s else float("nan"),
                         "overlap": o / b if b else float("nan"),
                         "exposed": statistics.mean(ttfts) - pt / args.runs}
                     line = f"  {name:<22} {n:>5} tokens: TTFT {r['ttft'] * 1000:8.1f} ms  decode {r['tps']:6.1f} tok/s"
                     if b:
                         # Streamed chunks leave while the prompt computes: their "speed" measures compute.
-                        speed = "overlaps compute" if o else f"{r['gbps']:5.2f} GB/s"
+                        speed = "overlaps compute" if o else f"{r['gbps']:5.2f} GB/s (receiver {r['rx_gbps']:4.2f})"
                         line += (f"  KV {r['mb']:6.1f} MB, {speed}, sent during compute {r['overlap']:4.0%}, "
                                  f"TTFT beyond prefill {r['exposed'] * 1000:6.1f} ms")
                     print(line, flush=True)

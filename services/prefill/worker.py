@@ -47,6 +47,9 @@ class _Handoff:
     bytes_sent: int = 0
     bytes_before_compute_done: int = 0
     done_sent: bool = False
+    # When K/V first started towards the decode side (monotonic): the first layer-streamed chunk
+    # taken for sending, or else the end of the prefill, before the remaining blocks are gathered.
+    send_started_at: float | None = None
 
 
 class _PipelinedWriter:
@@ -180,6 +183,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                 ev = await h.events.get()
                 if ev[0] == "chunk":
                     _, r, t = ev
+                    if h.send_started_at is None:
+                        h.send_started_at = time.monotonic()
                     msg = encode_chunk_message(chunk_header(self._layout_msg, r, h.lease.num_tokens), t)
                     size = t.numel() * t.element_size()
                     await out.write(msg, lambda size=size: self._chunk_sent(h, size))
@@ -217,6 +222,11 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             return None
         if kind == "ack":
             if h.done_sent:
+                if h.send_started_at is not None:
+                    # One clock, and nothing left out: gather, encode, wire, verify and cache write
+                    # of every chunk, the first one included, plus the ack's way back.
+                    self.metrics.kv_send_seconds.observe(time.monotonic() - h.send_started_at)
+                    self.metrics.kv_send_bytes.inc(h.bytes_sent)
                 return "ack"
             why = "ack before the hand-off completed"
             await context.write(kv_pb2.PrefillServerMessage(aborted=kv_pb2.PrefillAborted(reason=why)))
@@ -251,6 +261,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             self.metrics.ttft.observe(time.monotonic() - t0)  # queue + compute on this worker
             with self._lock:
                 self._streaming.pop(lease.lease_id, None)
+            if h.send_started_at is None:
+                h.send_started_at = time.monotonic()
             for r, t in await self.engine.call_in_engine_thread(lambda llm: self._gather_rest(h)):
                 h.events.put_nowait(("chunk", r, t))
             h.events.put_nowait(("done", out, time.monotonic() - t0))

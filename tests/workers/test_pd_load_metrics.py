@@ -62,6 +62,10 @@ async def test_metrics_endpoint_serves_vllm_style_names():
         ppage = scrape(pport)
         assert metric_value(ppage, "kvrelay:prefix_cache_hits_total") == 96  # 6 full blocks of the 100 tokens
         assert metric_value(ppage, "kvrelay:kv_handoffs_total", 'outcome="ack"') == 2
+        # The sender times each hand-off from its first chunk out to the ack, over the same bytes.
+        assert metric_value(ppage, "kvrelay:kv_send_seconds_count") == 2
+        assert metric_value(ppage, "kvrelay:kv_send_seconds_sum") > 0
+        assert metric_value(ppage, "kvrelay:kv_send_bytes_total") == metric_value(page, "kvrelay:kv_transfer_bytes_total")
     finally:
         await stop_pair(pair)
 
