@@ -11,7 +11,10 @@ thread each) with a dummy ~32M-parameter Llama, and for prompts of 128 to 4096 t
   - layer-wise streaming: TTFT with streaming on, and the share of KV bytes sent while the
     prefill was still computing (overlap).
 The single-process baseline is a decode worker prefilling locally: same process, same client
-path, no hand-off.
+path, no hand-off. Configurations run one after another, each with only its own workers alive:
+with all five workers up at once on 2 cores, loopback TCP stalled hand-offs for 80-200 ms
+(nstat: TCPLossProbes, spurious retransmits, a zero-window advert), which is not what separate
+pods see.
 
     .venv/bin/python benchmarks/disagg.py [--lengths 128,512,1024,2048,4096] [--runs 3]
 """
@@ -119,6 +122,34 @@ def counters(decode: Worker, prefill: Worker | None) -> tuple[float, ...]:
     return (*(decode.metric(c) for c in COUNTERS), *p)
 
 
+async def run_config(model: Path, flags, cores, prompts: dict[int, list[list[int]]], params) -> dict[int, dict]:
+    """Start one configuration's workers, warm up, run every prompt, stop them."""
+    core_a, core_b = cores
+    decode = Worker("decode", model, core_b if flags else core_a, free_port())
+    prefill = Worker("prefill", model, core_a, free_port(), *flags) if flags else None
+    client = DecodeClient(decode.addr)
+    addr = prefill.addr if prefill else None
+    try:
+        await one_request(client, [random.Random(1).randrange(3, 512) for _ in range(64)], params, addr)  # warm-up
+        results = {}
+        for n, runs in prompts.items():
+            before = counters(decode, prefill)
+            samples = [await one_request(client, prompt, params, addr) for prompt in runs]
+            b, s, o, pt, sb, ss = (x - y for x, y in zip(counters(decode, prefill), before))
+            ttfts = [t for t, _ in samples]
+            results[n] = {
+                "ttft": statistics.median(ttfts), "tps": statistics.median(r for _, r in samples),
+                "mb": b / len(runs) / 1e6, "gbps": sb / ss / 1e9 if ss else float("nan"),
+                "rx_gbps": b / s / 1e9 if s else float("nan"), "overlap": o / b if b else float("nan"),
+                "exposed": statistics.mean(ttfts) - pt / len(runs), "bytes": b}
+        return results
+    finally:
+        await client.close()
+        decode.stop()
+        if prefill:
+            prefill.stop()
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="128,512,1024,2048,4096")
@@ -128,51 +159,24 @@ async def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     core_a, core_b = cores[0], cores[1] if len(cores) > 1 else None
     print(f"cores available: {cores}; prefill workers and the single process on core {core_a}, decode workers "
-          f"on core {core_b}; 1 torch thread each; the configurations take turns request by request")
+          f"on core {core_b}; 1 torch thread each; one configuration's workers at a time, same prompts")
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     rng = random.Random(0)
+    # Fresh prompts (no prefix-cache hits), the same ones for every configuration.
+    prompts = {n: [[rng.randrange(3, 512) for _ in range(n)] for _ in range(args.runs)] for n in lengths}
+    results: dict[str, dict[int, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp))
-        workers: dict[str, tuple[Worker, Worker | None]] = {}
-        try:
-            for name, flags in CONFIGS:
-                decode = Worker("decode", model, core_b if flags else core_a, free_port())
-                workers[name] = (decode, Worker("prefill", model, core_a, free_port(), *flags) if flags else None)
-            clients = {name: DecodeClient(d.addr) for name, (d, _) in workers.items()}
-            for name, (_, p) in workers.items():  # warm-up
-                await one_request(clients[name], [rng.randrange(3, 512) for _ in range(64)], params,
-                                  p.addr if p else None)
-            results: dict[str, dict[int, dict]] = {name: {} for name in workers}
-            for n in lengths:
-                before = {name: counters(d, p) for name, (d, p) in workers.items()}
-                samples: dict[str, list[tuple[float, float]]] = {name: [] for name in workers}
-                for _ in range(args.runs):
-                    prompt = [rng.randrange(3, 512) for _ in range(n)]  # fresh: no prefix-cache hits
-                    for name, (_, p) in workers.items():
-                        samples[name].append(await one_request(clients[name], prompt, params, p.addr if p else None))
-                for name, (d, p) in workers.items():
-                    b, s, o, pt, sb, ss = (x - y for x, y in zip(counters(d, p), before[name]))
-                    ttfts = [t for t, _ in samples[name]]
-                    r = results[name][n] = {
-                        "ttft": statistics.median(ttfts), "tps": statistics.median(r for _, r in samples[name]),
-                        "mb": b / args.runs / 1e6, "gbps": sb / ss / 1e9 if ss else float("nan"),
-                        "rx_gbps": b / s / 1e9 if s else float("nan"),
-                        "overlap": o / b if b else float("nan"),
-                        "exposed": statistics.mean(ttfts) - pt / args.runs}
-                    line = f"  {name:<22} {n:>5} tokens: TTFT {r['ttft'] * 1000:8.1f} ms  decode {r['tps']:6.1f} tok/s"
-                    if b:
-                        # Streamed chunks leave while the prompt computes: their "speed" measures compute.
-                        speed = "overlaps compute" if o else f"{r['gbps']:5.2f} GB/s (receiver {r['rx_gbps']:4.2f})"
-                        line += (f"  KV {r['mb']:6.1f} MB, {speed}, sent during compute {r['overlap']:4.0%}, "
-                                 f"TTFT beyond prefill {r['exposed'] * 1000:6.1f} ms")
-                    print(line, flush=True)
-            for c in clients.values():
-                await c.close()
-        finally:
-            for d, p in workers.values():
-                d.stop()
-                if p:
-                    p.stop()
+        for name, flags in CONFIGS:
+            results[name] = await run_config(model, flags, (core_a, core_b), prompts, params)
+            for n, r in results[name].items():
+                line = f"  {name:<22} {n:>5} tokens: TTFT {r['ttft'] * 1000:8.1f} ms  decode {r['tps']:6.1f} tok/s"
+                if r["bytes"]:
+                    # Streamed chunks leave while the prompt computes: their "speed" measures compute.
+                    speed = "overlaps compute" if r["overlap"] else f"{r['gbps']:5.2f} GB/s (receiver {r['rx_gbps']:4.2f})"
+                    line += (f"  KV {r['mb']:6.1f} MB, {speed}, sent during compute {r['overlap']:4.0%}, "
+                             f"TTFT beyond prefill {r['exposed'] * 1000:6.1f} ms")
+                print(line, flush=True)
     print("\nsummary (medians; TTFT beyond prefill = client TTFT - the prefill worker's own queue+compute time)")
     base = results["single process"]
     for name in ("disagg, after prefill", "disagg, layer-streamed"):
