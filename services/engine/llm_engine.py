@@ -15,6 +15,7 @@ from kvrelay.engine.block_pool import BlockPool
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
 from kvrelay.engine.model import DecoderModel, StepBatch
 from kvrelay.engine.model_config import load_model_config, parse_dtype
 from kvrelay.engine.outputs import EngineStats, RequestMetrics, RequestOutput
@@ -57,6 +58,8 @@ class LLMEngine:
         self.dtype = parse_dtype(dtype_name)
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_large_buffers_mapped()  # activations and gathered KV are multi-MiB buffers, every step
         backend = args.kernel_backend
         if backend == "auto" and self.device.type != "cuda":
             backend = "torch"  # Triton kernels need CUDA tensors (the interpreter is for tests)

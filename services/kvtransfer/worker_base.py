@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import grpc
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
+from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
 from kvrelay.kvtransfer.grpc_options import server_options
 from kvrelay.kvtransfer.layout import DEFAULT_MAX_MESSAGE_BYTES, KVLayout, plan_chunks
 from kvrelay.kvtransfer.load import LoadServicer
-from kvrelay.kvtransfer.malloc_tuning import keep_large_buffers_mapped
 from kvrelay.kvtransfer.metrics import WorkerMetrics
 from kvrelay.v1 import load_pb2_grpc
 

@@ -184,10 +184,10 @@ def test_worker_refuses_a_message_bound_that_cannot_carry_one_block():
 
 
 def test_workers_keep_large_buffers_mapped_on_glibc():
-    """Applied at worker start-up (serve_forever); glibc accepts both settings."""
+    """Applied by a CPU LLMEngine and at worker start-up (serve_forever); glibc accepts both settings."""
     import platform
 
-    from kvrelay.kvtransfer.malloc_tuning import keep_large_buffers_mapped
+    from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
 
     applied = keep_large_buffers_mapped()
     if platform.libc_ver()[0] == "glibc":

@@ -1,10 +1,14 @@
-"""glibc malloc settings for processes that move KV chunks (multi-MiB buffers, one per message).
+"""glibc malloc settings for processes that allocate and free multi-MiB buffers over and over:
+a CPU engine's activations and gathered KV (every step), a worker's KV chunks (every message).
 
 By default glibc serves such buffers with a fresh mmap and hands them back with munmap, or trims
-freed heap memory soon after, so every new 4 MiB buffer page-faults its ~1000 pages again: about
-1 ms per chunk and side, a tenth of the hand-off time. Serving buffers below 64 MiB from the heap
-and keeping up to 1 GiB of freed heap memory makes later buffers reuse pages already mapped
-(benchmarks/disagg.py, 4096-token prompts: 0.90-1.01 GB/s without, 1.07-1.09 GB/s with).
+freed heap memory soon after, so every new buffer page-faults (and the kernel zeroes) its pages
+again. Serving buffers below 64 MiB from the heap and keeping up to 1 GiB of freed heap memory
+makes later buffers reuse pages already mapped:
+  - CPU engine, benchmarks/throughput.py's kvrelay run: 29.1-32.5 s without, 24.6-25.7 s with,
+    same peak RSS;
+  - KV hand-off, benchmarks/disagg.py at 4096 tokens: 0.90-1.01 GB/s without, 1.07-1.09 with
+    (about 1 ms per 4 MiB chunk and side).
 The same as MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ in the environment; a no-op where
 the C library is not glibc.
 """
