@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xxhash
 from kvrelay.v1 import kv_pb2, prefill_pb2
@@ -54,17 +55,42 @@ def _read_varint(buf, pos: int) -> tuple[int, int]:
             raise ValueError("malformed varint")
 
 
-def encode_chunk_message(header: kv_pb2.KVChunk, tensor: torch.Tensor) -> bytes:
-    """A PrefillServerMessage(chunk=header with data=tensor's bytes), serialised.
+# A chunk's K/V: a tensor [layers, 2, blocks, block_size, kv_heads, head_dim], or the same bytes as
+# contiguous pieces in that order (views of the cache's blocks, see payload_pieces).
+Payload = torch.Tensor | list[np.ndarray]
+
+
+def payload_pieces(kv_cache: torch.Tensor, block_ids: list[int], layer_start: int, layer_end: int) -> list[np.ndarray]:
+    """Views (no copy) of blocks of layers [layer_start, layer_end) of a CPU cache, in the order
+    gather_blocks would pack them; encode_chunk_message joins them in its one copy. The blocks must
+    not change until then (the prefill worker holds them under a lease)."""
+    raw = kv_cache.view(torch.uint8).numpy()  # bytes, so bf16 caches work too
+    return [raw[layer, kv, block] for layer in range(layer_start, layer_end) for kv in (0, 1) for block in block_ids]
+
+
+def payload_size(data: Payload) -> int:
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    return sum(piece.nbytes for piece in data)
+
+
+def encode_chunk_message(header: kv_pb2.KVChunk, data: Payload) -> bytes:
+    """A PrefillServerMessage(chunk=header with data=the payload's bytes), serialised.
 
     header carries every KVChunk field but data (layout.chunk_header); its xxh3_64 is set here."""
-    payload = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    header.xxh3_64 = checksum(payload)
+    if isinstance(data, torch.Tensor):
+        pieces = [data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()]
+    else:
+        pieces = data
+    digest = xxhash.xxh3_64()
+    for piece in pieces:
+        digest.update(piece)
+    header.xxh3_64 = digest.intdigest()
     head_bytes = header.SerializeToString()
-    size = payload.nbytes
+    size = sum(piece.nbytes for piece in pieces)
     data_prefix = bytes([DATA_FIELD << 3 | _LEN]) + _varint(size)
     inner = len(head_bytes) + len(data_prefix) + size
-    return b"".join((CHUNK_TAG, _varint(inner), head_bytes, data_prefix, payload))
+    return b"".join((CHUNK_TAG, _varint(inner), head_bytes, data_prefix, *pieces))
 
 
 @dataclass

@@ -192,3 +192,21 @@ def test_workers_keep_large_buffers_mapped_on_glibc():
     applied = keep_large_buffers_mapped()
     if platform.libc_ver()[0] == "glibc":
         assert applied
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_from_views_of_the_cache_equals_the_gathered_chunk(dtype):
+    """The prefill worker encodes CPU chunks from views of its blocks: same bytes as gathering them."""
+    from kvrelay.kernels.reference import gather_blocks
+    from kvrelay.kvtransfer.chunk_wire import payload_pieces, payload_size
+
+    kv_cache = torch.randn(3, 2, 9, 4, 2, 8).to(dtype)
+    blocks = [7, 2, 5]  # not in order, as a block table can be
+    r = ChunkRange(1, 3, 0, 3)
+    gathered = gather_blocks(kv_cache, torch.tensor(blocks), 1, 3)
+    pieces = payload_pieces(kv_cache, blocks, 1, 3)
+    assert payload_size(pieces) == payload_size(gathered) == gathered.numel() * gathered.element_size()
+    from_views = encode_chunk_message(chunk_header(LAYOUT.to_proto(), r, 10), pieces)
+    assert from_views == encode_chunk_message(chunk_header(LAYOUT.to_proto(), r, 10), gathered)
+    rx = decode_server_message(from_views)
+    assert rx.msg.chunk.xxh3_64 == checksum(gathered.contiguous().view(torch.uint8).numpy())
