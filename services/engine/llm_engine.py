@@ -170,6 +170,10 @@ class LLMEngine:
                 field="max_tokens",
             )
         now = time.monotonic()
+        bias = None
+        if params.logit_bias:  # built once here, not on every sampling step
+            bias = (torch.tensor(list(params.logit_bias), dtype=torch.int64, device=self.device),
+                    torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device))
         seqs = []
         for index in range(params.n):
             seed = params.seed + index if params.seed is not None else secrets.randbits(62)
@@ -190,6 +194,7 @@ class LLMEngine:
                 # ignore_eos drops EOS only; explicit stop_token_ids still apply.
                 stop_ids=frozenset(params.stop_token_ids)
                 | (frozenset() if params.ignore_eos else self.eos_ids),
+                logit_bias=bias,
             )
             self._next_seq_id += 1
             seqs.append(seq)

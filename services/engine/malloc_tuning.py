@@ -38,5 +38,5 @@ def keep_large_buffers_mapped() -> bool:
         return False
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
     if not ok:
-        log.info("mallopt refused the large-buffer settings; KV chunks will page-fault per message")
+        log.info("mallopt refused the large-buffer settings; multi-MiB buffers will page-fault on every reuse")
     return ok

@@ -58,10 +58,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]
         p = seq.params
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             _apply_penalties(logits[i], seq)
-        if p.logit_bias:
-            bias = p.logit_bias
-            ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
-            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        if seq.logit_bias is not None:
+            ids, values = seq.logit_bias
+            logits[i, ids] += values.to(logits.dtype)
         if seq.num_generated < p.min_tokens and seq.stop_ids:
             logits[i, list(seq.stop_ids)] = float("-inf")
 

@@ -47,6 +47,8 @@ class Sequence:
     hold_blocks: bool = False
     # Token ids that finish the sequence (EOS unless ignore_eos, plus stop_token_ids).
     stop_ids: frozenset[int] = frozenset()
+    # params.logit_bias as (token ids, biases) tensors on the engine's device; None when unset.
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:

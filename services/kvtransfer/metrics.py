@@ -57,7 +57,8 @@ class WorkerMetrics:
         self.kv_send_seconds = Histogram(
             "kvrelay:kv_send_seconds",
             "Prefill side: KV hand-off from its start (the first layer-streamed chunk, or else the end of "
-            "the prefill) to the decode worker's ack (every chunk verified and written into its cache).", buckets=LATENCY_BUCKETS, registry=r)
+            "the prefill) to the decode worker's ack (every chunk verified and written into its cache).",
+            buckets=LATENCY_BUCKETS, registry=r)
         self.kv_send_bytes = Counter("kvrelay:kv_send_bytes", "Prefill side: KV bytes acknowledged by decode "
                                      "workers.", registry=r)
         self.kv_bytes = Counter("kvrelay:kv_transfer_bytes", "KV bytes handed off.", registry=r)
