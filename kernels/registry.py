@@ -1,7 +1,12 @@
-"""The one place the engine gets kernels from: Triton on CUDA, torch references otherwise.
+"""The one place the engine gets kernels from: Triton on CUDA, native C + torch on CPU.
 
-`get_ops("auto" | "torch" | "triton")` returns a KernelOps whose functions share the
-signatures documented in kvrelay.kernels.reference.
+`get_ops("auto" | "torch" | "native" | "triton")` returns a KernelOps whose functions share the
+signatures documented in kvrelay.kernels.reference:
+- "torch": the plain torch references, everywhere.
+- "native": the references, with decode attention from C kernels compiled on first use
+  (kvrelay.kernels.cpu_native); CPU only.
+- "triton": Triton kernels on CUDA.
+- "auto": triton with CUDA; else native when it builds here, torch (with a warning) when not.
 
 Triton is imported only when the triton backend is chosen, so CPU-only callers never pay for it.
 "triton" forced without a CUDA device runs the kernels in Triton's CPU interpreter, which needs
@@ -10,12 +15,17 @@ TRITON_INTERPRET=1 in the environment before the kernels are first imported (slo
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrelay.kernels import reference
+
+log = logging.getLogger(__name__)
+BACKENDS = ("auto", "torch", "native", "triton")
 
 OP_NAMES = (
     "rms_norm",
@@ -52,15 +62,32 @@ def _from_module(backend: str, module: types.ModuleType) -> KernelOps:
     return KernelOps(backend=backend, **{name: getattr(module, name) for name in OP_NAMES})
 
 
+@functools.cache
+def cpu_backend() -> str:
+    """"native" when the C kernels build and load on this machine, else "torch"."""
+    from kvrelay.kernels import cpu_native
+
+    reason = cpu_native.unavailable_reason()
+    if reason is None:
+        return "native"
+    log.warning("using the torch kernels on CPU (slower decode attention): %s", reason)
+    return "torch"
+
+
 def get_ops(backend: str = "auto") -> KernelOps:
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"kernel backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
     if backend == "auto":
         import torch
 
-        backend = "triton" if torch.cuda.is_available() else "torch"
+        backend = "triton" if torch.cuda.is_available() else cpu_backend()
     if backend == "torch":
         return _from_module("torch", reference)
+    if backend == "native":
+        from kvrelay.kernels import cpu_native, native_ops
+
+        cpu_native.library()  # raises NativeKernelsUnavailable, saying why
+        return _from_module("native", native_ops)
     return _triton_ops()
 
 

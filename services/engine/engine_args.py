@@ -36,7 +36,7 @@ class EngineArgs:
     max_model_len: int | None = None
     scheduling_policy: str = "fcfs"  # fcfs | priority
     enable_prefix_caching: bool = True
-    kernel_backend: str = "auto"  # auto | torch | triton
+    kernel_backend: str = "auto"  # auto | torch | native | triton
     device: str = "auto"  # auto | cpu | cuda
     dummy_seed: int = 0  # random weights of --load-format dummy
 
@@ -67,7 +67,7 @@ class EngineArgs:
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
         parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-        parser.add_argument("--kernel-backend", default=d.kernel_backend, choices=["auto", "torch", "triton"])
+        parser.add_argument("--kernel-backend", default=d.kernel_backend, choices=["auto", "torch", "native", "triton"])
         parser.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
         parser.add_argument(
             "--dummy-seed", type=int, default=d.dummy_seed, help="seed of --load-format dummy weights"

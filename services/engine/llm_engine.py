@@ -25,7 +25,7 @@ from kvrelay.engine.scheduler import Scheduler, SchedulerConfig
 from kvrelay.engine.sequence import Sequence, Status
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.engine.weights import assemble, dummy_tensors, quantize_linears, read_tensors
-from kvrelay.kernels.registry import get_ops
+from kvrelay.kernels.registry import cpu_backend, get_ops
 
 
 def _read_generation_config(model_dir: Path) -> dict:
@@ -62,7 +62,7 @@ class LLMEngine:
             keep_large_buffers_mapped()  # activations and gathered KV are multi-MiB buffers, every step
         backend = args.kernel_backend
         if backend == "auto" and self.device.type != "cuda":
-            backend = "torch"  # Triton kernels need CUDA tensors (the interpreter is for tests)
+            backend = cpu_backend()  # Triton kernels need CUDA tensors (the interpreter is for tests)
         self.ops = get_ops(backend)
 
         limits = [self.config.max_position_embeddings]

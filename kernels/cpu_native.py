@@ -1,0 +1,172 @@
+"""Native CPU kernels: C sources in kernels/csrc, compiled on first use and loaded with ctypes.
+
+Why C and not torch: plain torch has no op that reads a block table in place, so the reference
+decode attention gathers every sequence's blocks into a padded copy and reads it back, three
+passes over the KV bytes; decode attention is memory-bound, so this is most of its cost on CPU.
+
+The library is built with the machine's C compiler (`$CC`, default `cc`) with -march=native and
+OpenMP, into a cache folder ($KVRELAY_KERNEL_CACHE, default ~/.cache/kvrelay/kernels) under a name
+keyed by the sources, the flags, the compiler and the CPU, so a shared home folder never serves
+one machine's build to another. It links OpenMP by soname, so in-process it shares the OpenMP
+runtime torch already loaded (one thread pool, torch's thread count).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCES = ("paged_decode_attention.c",)
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared")
+BUILD_TIMEOUT_S = 120
+
+_DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_DECODE_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] + [ctypes.c_int64] * 8 + [
+    ctypes.c_float
+]
+
+
+class NativeKernelsUnavailable(RuntimeError):
+    """The C kernels could not be built or loaded on this machine (the message says why)."""
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        done = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NativeKernelsUnavailable(
+            f"no C compiler: running {cc!r} failed ({exc}); install gcc or set CC, or use "
+            "--kernel-backend torch"
+        ) from exc
+    return done.stdout
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("KVRELAY_KERNEL_CACHE")
+    if base:
+        return Path(base)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvrelay" / "kernels"
+
+
+def build(cc: str | None = None) -> Path:
+    """The compiled library's path, compiling it first when no build for this key exists."""
+    cc = cc or os.environ.get("CC", "cc")
+    key = hashlib.sha256()
+    for name in sorted(p.name for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h")):
+        key.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes())
+    key.update(" ".join(CFLAGS).encode() + _compiler_version(cc).encode() + _cpu_signature().encode())
+    target = _cache_dir() / f"kvrelay_cpu_kernels-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name, then rename: processes racing to build never load a half file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [cc, *CFLAGS, "-o", tmp, *(str(SOURCE_DIR / s) for s in SOURCES), "-lm"]
+    try:
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise NativeKernelsUnavailable(f"compiling the CPU kernels failed: {' '.join(cmd)}\n{done.stderr}")
+        os.replace(tmp, target)
+    except subprocess.TimeoutExpired as exc:
+        raise NativeKernelsUnavailable(f"compiling the CPU kernels took over {BUILD_TIMEOUT_S} s") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built native CPU kernels: %s", target)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The loaded kernels (built on first call); raises NativeKernelsUnavailable."""
+    if os.environ.get("KVRELAY_NATIVE_KERNELS", "1") == "0":
+        raise NativeKernelsUnavailable("native CPU kernels disabled by KVRELAY_NATIVE_KERNELS=0")
+    path = build()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise NativeKernelsUnavailable(f"loading {path} failed: {exc}") from exc
+    for suffix in _DTYPE_SUFFIX.values():
+        fn = getattr(lib, f"paged_decode_attention_{suffix}")
+        fn.argtypes = _DECODE_ARGTYPES
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """None when the native kernels load here, else why not."""
+    try:
+        library()
+    except NativeKernelsUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def supports_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether paged_decode_attention runs these tensors natively (else callers use the reference)."""
+    if q.device.type != "cpu" or q.dtype not in _DTYPE_SUFFIX:
+        return False
+    if not (k_cache.dtype == v_cache.dtype == q.dtype and k_cache.stride() == v_cache.stride()):
+        return False
+    kv_heads, head_dim = k_cache.shape[2:]
+    # Rows of one block must be packed as [block_size, Hkv, D]; blocks may sit at any stride.
+    return k_cache.stride()[1:] == (kv_heads * head_dim, head_dim, 1) and q.shape[1] % kv_heads == 0
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """kvrelay.kernels.reference.paged_decode_attention, reading K/V in place. q[B, Hq, D] -> [B, Hq, D].
+
+    The caller checks supports_decode first.
+    """
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    batch, num_heads, head_dim = q.shape
+    if batch == 0:
+        return out
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    max_len = int(lens.max())
+    if max_len > tables.shape[1] * block_size:
+        raise ValueError(f"a sequence of {max_len} tokens needs more than the block table's {tables.shape[1]} blocks")
+    fn = getattr(library(), f"paged_decode_attention_{_DTYPE_SUFFIX[q.dtype]}")
+    status = fn(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
+        tables.shape[1], lens.data_ptr(), batch, num_heads, kv_heads, head_dim, block_size,
+        k_cache.stride()[0], num_blocks, max_len, scale,
+    )
+    if status == -2:
+        raise ValueError(f"a block table entry lies outside the KV cache's {num_blocks} blocks")
+    if status != 0:
+        raise MemoryError("native decode attention could not allocate its scratch buffers")
+    return out

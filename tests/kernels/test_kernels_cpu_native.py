@@ -1,0 +1,161 @@
+"""Native CPU decode attention (C, compiled on first use) against the torch reference, its guards,
+and how the registry and the engine choose it."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from kernel_cases import DTYPES, assert_close, make_paged_case, randn
+from kvrelay.kernels import cpu_native, native_ops, reference
+from kvrelay.kernels.registry import get_ops
+
+pytestmark = pytest.mark.skipif(
+    cpu_native.unavailable_reason() is not None, reason=f"no native kernels: {cpu_native.unavailable_reason()}"
+)
+
+
+def run_case(seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed):
+    rng = random.Random(seed)
+    case = make_paged_case(rng, seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    q = randn((len(seq_lens), num_kv_heads * group, head_dim), dtype, seed + 1)
+    k_cache, v_cache = case.layer()
+    assert cpu_native.supports_decode(q, k_cache, v_cache)
+    scale = head_dim**-0.5
+    got = cpu_native.paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens, scale)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens, scale)
+    assert_close(got, want)
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [8, 64, 80])
+def test_gqa_ratios_head_dims_dtypes(group, head_dim, dtype):
+    # Length 1, an exact multiple of the block size and ragged lengths; head_dim 80 is no power of 2.
+    run_case([1, 32, 45], block_size=16, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, seed=group)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_many_sequences_take_the_whole_sequence_path(dtype):
+    # Enough sequences that each task covers all KV heads of a sequence (the path long batches take).
+    lens = [1 + (i * 37) % 300 for i in range(40)]
+    run_case(lens, block_size=16, num_kv_heads=4, group=2, head_dim=64, dtype=dtype, seed=5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomised_shapes(seed):
+    rng = random.Random(2000 + seed)
+    block_size = rng.choice([1, 4, 16, 32])
+    kv_heads = rng.choice([1, 2, 4])
+    lens = [rng.randint(1, 120) for _ in range(rng.randint(1, 12))]
+    run_case(lens, block_size, kv_heads, rng.choice([1, 2, 4]), rng.choice([16, 32, 64]), torch.float32, seed)
+
+
+def test_int64_block_tables_and_a_non_contiguous_query():
+    case = make_paged_case(random.Random(1), [20, 3], 8, 2, 32, torch.float32)
+    q = randn((2, 12, 32), torch.float32, 2)[:, ::3]  # 4 heads, strided
+    k_cache, v_cache = case.layer()
+    got = cpu_native.paged_decode_attention(q, k_cache, v_cache, case.block_tables.long(), case.seq_lens, 0.2)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens, 0.2)
+    assert_close(got, want)
+
+
+def test_block_ids_outside_the_cache_are_an_error_not_a_wild_read():
+    case = make_paged_case(random.Random(2), [40], 16, 2, 32, torch.float32)
+    k_cache, v_cache = case.layer()
+    q = randn((1, 2, 32), torch.float32, 3)
+    tables = case.block_tables.clone()
+    tables[0, 1] = k_cache.shape[0]  # one past the last block
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        cpu_native.paged_decode_attention(q, k_cache, v_cache, tables, case.seq_lens, 0.2)
+    tables[0, 1] = -1
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        cpu_native.paged_decode_attention(q, k_cache, v_cache, tables, case.seq_lens, 0.2)
+    with pytest.raises(ValueError, match="block table"):
+        cpu_native.paged_decode_attention(q, k_cache, v_cache, case.block_tables[:, :1], case.seq_lens, 0.2)
+
+
+def test_unsupported_layouts_fall_back_to_the_reference():
+    case = make_paged_case(random.Random(3), [10, 30], 8, 2, 16, torch.float32)
+    k_cache, v_cache = case.layer()
+    q = randn((2, 4, 16), torch.float32, 4)
+    # K/V heads not packed [block_size, Hkv, D]: the kernel would read the wrong rows.
+    k_t, v_t = k_cache.transpose(1, 2).contiguous().transpose(1, 2), v_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not cpu_native.supports_decode(q, k_t, v_t)
+    assert not cpu_native.supports_decode(q.double(), k_cache.double(), v_cache.double())
+    assert not cpu_native.supports_decode(q.half(), k_cache, v_cache)  # mixed dtypes
+    got = native_ops.paged_decode_attention(q, k_t, v_t, case.block_tables, case.seq_lens, 0.3)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens, 0.3)
+    assert_close(got, want)
+
+
+def test_native_backend_is_the_reference_but_decode_attention():
+    ops = get_ops("native")
+    assert ops.backend == "native"
+    assert ops.paged_decode_attention is native_ops.paged_decode_attention
+    assert ops.paged_prefill_attention is reference.paged_prefill_attention
+    assert ops.write_kv is reference.write_kv
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env
+    return subprocess.run(
+        [sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=180, check=False
+    )
+
+
+def test_build_goes_to_the_cache_folder_and_is_reused(tmp_path):
+    code = "from kvrelay.kernels import cpu_native; print(cpu_native.build())"
+    first = _python(code, KVRELAY_KERNEL_CACHE=str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    path = first.stdout.split()[-1]
+    assert path.startswith(str(tmp_path)) and os.path.exists(path)
+    mtime = os.path.getmtime(path)
+    second = _python(code, KVRELAY_KERNEL_CACHE=str(tmp_path))
+    assert second.stdout.split()[-1] == path and os.path.getmtime(path) == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(path)]  # no temporary left behind
+
+
+def test_without_a_compiler_auto_falls_back_to_torch_and_native_says_why(tmp_path):
+    code = "from kvrelay.kernels.registry import get_ops; print(get_ops('auto').backend)"
+    out = _python(code, KVRELAY_KERNEL_CACHE=str(tmp_path), CC="/nonexistent/cc")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["torch"]
+    assert "using the torch kernels on CPU" in out.stderr and "no C compiler" in out.stderr
+    forced = _python("from kvrelay.kernels.registry import get_ops; get_ops('native')",
+                     KVRELAY_KERNEL_CACHE=str(tmp_path), CC="/nonexistent/cc")
+    assert forced.returncode != 0 and "NativeKernelsUnavailable" in forced.stderr
+    assert "install gcc or set CC" in forced.stderr
+
+
+def test_disabled_by_environment():
+    out = _python("from kvrelay.kernels.registry import get_ops; print(get_ops('auto').backend)",
+                  KVRELAY_NATIVE_KERNELS="0")
+    assert out.stdout.split() == ["torch"], out.stderr
+    assert "KVRELAY_NATIVE_KERNELS=0" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
+def test_cpu_engine_defaults_to_native_and_matches_the_torch_backend():
+    from kvrelay.engine.engine_args import EngineArgs
+    from kvrelay.engine.llm_engine import LLMEngine
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    outputs = {}
+    for backend in ("auto", "torch"):
+        engine = LLMEngine(EngineArgs(kernel_backend=backend))
+        assert engine.ops.backend == ("native" if backend == "auto" else "torch")
+        for i, prompt in enumerate(["Once upon a time", "The little dog", "Lily"]):
+            engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0.0), str(i))
+        done: dict[str, list[int]] = {}
+        while engine.has_work():
+            for out in engine.step():
+                done.setdefault(out.request_id, []).extend(out.new_token_ids)
+        outputs[backend] = done
+    assert outputs["auto"] == outputs["torch"]
+    assert all(len(ids) > 10 for ids in outputs["auto"].values())
