@@ -28,14 +28,17 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode_attention.c",)
+SOURCES = ("paged_decode_attention.c", "elementwise.c")
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared")
 BUILD_TIMEOUT_S = 120
 
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-_DECODE_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] + [ctypes.c_int64] * 8 + [
-    ctypes.c_float
-]
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_ARGTYPES = {
+    **{f"paged_decode_attention_{s}": [_P] * 5 + [_I, _P] + [_I] * 8 + [_F] for s in ("f32", "bf16", "f16")},
+    "add_rms_norm_f32": [_P] * 5 + [_I] * 4 + [_F],
+    "rotary_f32": [_P] * 4 + [_I] * 4,
+}
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -109,10 +112,10 @@ def library() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
         raise NativeKernelsUnavailable(f"loading {path} failed: {exc}") from exc
-    for suffix in _DTYPE_SUFFIX.values():
-        fn = getattr(lib, f"paged_decode_attention_{suffix}")
-        fn.argtypes = _DECODE_ARGTYPES
-        fn.restype = ctypes.c_int
+    for name, argtypes in _ARGTYPES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int if name.startswith("paged_") else None
     return lib
 
 
@@ -170,3 +173,67 @@ def paged_decode_attention(
     if status != 0:
         raise MemoryError("native decode attention could not allocate its scratch buffers")
     return out
+
+
+# ---- elementwise (fp32) -----------------------------------------------------------------------
+
+
+def _fp32_rows(x: torch.Tensor) -> bool:
+    """An fp32 CPU matrix whose rows are packed (any row stride)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x as [rows, last dim] without a copy, when its rows are packed; else None."""
+    if x.dim() == 2:
+        return x if x.stride(1) == 1 else None
+    return x.view(-1, x.shape[-1]) if x.is_contiguous() else None
+
+
+def supports_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    rows = _as_rows(x)
+    if rows is None or not _fp32_rows(rows) or weight.dtype != torch.float32 or not weight.is_contiguous():
+        return False
+    return residual is None or (residual.shape == x.shape and _as_rows(residual) is not None
+                                and _fp32_rows(_as_rows(residual)))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rms_norm(x) or rms_norm(x + residual) and the sum; the caller checks supports_norm first."""
+    xr = _as_rows(x)
+    rr = _as_rows(residual) if residual is not None else None
+    out = torch.empty(x.shape, dtype=torch.float32)
+    summed = torch.empty(x.shape, dtype=torch.float32) if residual is not None else None
+    library().add_rms_norm_f32(
+        xr.data_ptr(), rr.data_ptr() if rr is not None else None, weight.data_ptr(), out.data_ptr(),
+        summed.data_ptr() if summed is not None else None, xr.shape[0], xr.shape[1], xr.stride(0),
+        rr.stride(0) if rr is not None else 0, eps,
+    )
+    return out, summed
+
+
+def supports_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
+    return (
+        q.device.type == "cpu" and q.dtype == k.dtype == cos_sin_cache.dtype == torch.float32
+        and positions.dtype == torch.int64 and cos_sin_cache.is_contiguous()
+        and q.dim() == k.dim() == 3 and q.shape[-1] == k.shape[-1] == cos_sin_cache.shape[-1]
+        and q.stride()[1:] == (q.shape[2], 1) and k.stride()[1:] == (k.shape[2], 1)
+    )
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller checks supports_rotary first."""
+    positions = positions.contiguous()
+    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < cos_sin_cache.shape[0]:
+        raise IndexError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rotary table's size)")
+    lib = library()
+    outs = []
+    for x in (q, k):
+        out = torch.empty(x.shape, dtype=torch.float32)
+        lib.rotary_f32(positions.data_ptr(), x.data_ptr(), out.data_ptr(), cos_sin_cache.data_ptr(),
+                       x.shape[0], x.shape[1], x.shape[2], x.stride(0))
+        outs.append(out)
+    return outs[0], outs[1]
+

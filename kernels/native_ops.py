@@ -1,18 +1,17 @@
-"""The CPU kernel set: the torch references, with decode attention from the native C kernel
-(kvrelay.kernels.cpu_native) for the dtypes and layouts it supports."""
+"""The CPU kernel set: the torch references, with decode attention, RMSNorm and rotary embedding
+from the native C kernels (kvrelay.kernels.cpu_native) for the dtypes and layouts
+they support (decode attention: fp32/bf16/fp16; the rest: fp32). SiLU-and-mul stays torch: its
+vectorised exp beat a C loop over glibc's scalar expf 3x."""
 
 from __future__ import annotations
 
 import torch
 from kvrelay.kernels import cpu_native, reference
 from kvrelay.kernels.reference import (
-    fused_add_rms_norm,
     gather_blocks,
     int8_matmul,
     paged_prefill_attention,
     quantize_int8,
-    rms_norm,
-    rotary_embedding,
     scatter_blocks,
     silu_and_mul,
     write_kv,
@@ -44,3 +43,26 @@ def paged_decode_attention(
     if cpu_native.supports_decode(q, k_cache, v_cache):
         return cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if cpu_native.supports_norm(x, weight):
+        return cpu_native.add_rms_norm(x, None, weight, eps)[0]
+    return reference.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if cpu_native.supports_norm(x, weight, residual):
+        return cpu_native.add_rms_norm(x, residual, weight, eps)
+    return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if cpu_native.supports_rotary(positions, q, k, cos_sin_cache):
+        return cpu_native.rotary_embedding(positions, q, k, cos_sin_cache)
+    return reference.rotary_embedding(positions, q, k, cos_sin_cache)
+

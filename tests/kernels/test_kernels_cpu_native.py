@@ -1,5 +1,5 @@
-"""Native CPU decode attention (C, compiled on first use) against the torch reference, its guards,
-and how the registry and the engine choose it."""
+"""Native CPU kernels (C, compiled on first use) against the torch references, their guards,
+and how the registry and the engine choose them."""
 
 from __future__ import annotations
 
@@ -94,12 +94,53 @@ def test_unsupported_layouts_fall_back_to_the_reference():
     assert_close(got, want)
 
 
-def test_native_backend_is_the_reference_but_decode_attention():
+
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 512 crosses the threshold for using threads
+def test_rms_norms_match_the_reference(rows):
+    x, res, w = randn((rows, 512), torch.float32, 0) * 3, randn((rows, 512), torch.float32, 1), randn((512,),
+                                                                                                  torch.float32, 2)
+    assert cpu_native.supports_norm(x, w, res)
+    out, summed = native_ops.fused_add_rms_norm(x, res, w, 1e-5)
+    want_out, want_summed = reference.fused_add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(summed, want_summed)
+    assert_close(out, want_out)
+    assert torch.equal(x, randn((rows, 512), torch.float32, 0) * 3), "inputs must not be modified"
+    # Rows a stride apart (a slice of a wider matrix) and a contiguous 3-D tensor (qk-norm heads).
+    wide = randn((rows, 1024), torch.float32, 3)
+    assert_close(native_ops.rms_norm(wide[:, :512], w, 1e-6), reference.rms_norm(wide[:, :512], w, 1e-6))
+    heads = randn((rows, 8, 64), torch.float32, 4)
+    assert_close(native_ops.rms_norm(heads, w[:64], 1e-6), reference.rms_norm(heads, w[:64], 1e-6))
+
+
+def test_norms_outside_fp32_fall_back_to_the_reference():
+    x, w = randn((5, 64), torch.bfloat16, 0), randn((64,), torch.bfloat16, 1)
+    assert not cpu_native.supports_norm(x, w)
+    assert torch.equal(native_ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    heads = randn((5, 12, 64), torch.float32, 2)[:, :8]  # strided heads cannot be viewed as rows
+    assert not cpu_native.supports_norm(heads, randn((64,), torch.float32, 3))
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 200])
+def test_rotary_is_the_reference_bit_for_bit(tokens):
+    # q and k are views cut out of the fused qkv projection, as in the engine.
+    qkv = randn((tokens, (8 + 2 * 2) * 64), torch.float32, 0)
+    q, k = qkv[:, : 8 * 64].view(tokens, 8, 64), qkv[:, 8 * 64 : 10 * 64].view(tokens, 2, 64)
+    cos_sin = randn((300, 64), torch.float32, 1)
+    positions = torch.randint(0, 300, (tokens,), generator=torch.Generator().manual_seed(2))
+    assert cpu_native.supports_rotary(positions, q, k, cos_sin)
+    got_q, got_k = native_ops.rotary_embedding(positions, q, k, cos_sin)
+    want_q, want_k = reference.rotary_embedding(positions, q, k, cos_sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    with pytest.raises(IndexError, match="positions must lie in"):
+        cpu_native.rotary_embedding(positions + 300, q, k, cos_sin)
+
+def test_native_backend_takes_native_kernels_where_they_exist():
     ops = get_ops("native")
     assert ops.backend == "native"
-    assert ops.paged_decode_attention is native_ops.paged_decode_attention
-    assert ops.paged_prefill_attention is reference.paged_prefill_attention
-    assert ops.write_kv is reference.write_kv
+    for name in ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding"):
+        assert getattr(ops, name) is getattr(native_ops, name)
+    for name in ("paged_prefill_attention", "write_kv", "silu_and_mul", "gather_blocks"):
+        assert getattr(ops, name) is getattr(reference, name)
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,56 @@
+/* Native CPU elementwise kernels (fp32), loaded by kvrelay.kernels.cpu_native through ctypes.
+ * Same contracts as the torch references in kvrelay.kernels.reference; each is one pass over
+ * its rows where the references run several torch ops, each reading and writing the activations.
+ * Small inputs run on the calling thread: an OpenMP fork costs more than they do. */
+
+#include <math.h>
+#include <stdint.h>
+
+#define PARALLEL_MIN_ELEMENTS 65536
+
+/* out = w * (h * rsqrt(mean(h^2) + eps)) per row, where h = x, or h = x + residual (also written
+ * to sum_out) when residual is given. Rows of x and residual are `x_stride` apart; out and sum_out
+ * are contiguous. The sum of squares is kept in fp64, so it rounds once, like torch's pairwise sum. */
+void add_rms_norm_f32(const float *x, const float *residual, const float *w, float *out, float *sum_out,
+                      int64_t rows, int64_t cols, int64_t x_stride, int64_t residual_stride, float eps) {
+#pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * cols;
+        const float *h = xr;
+        if (residual) {
+            const float *rr = residual + r * residual_stride;
+            float *s = sum_out + r * cols;
+            for (int64_t c = 0; c < cols; c++) s[c] = xr[c] + rr[c];
+            h = s;
+        }
+        double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t c = 0; c < cols; c++) ss += (double)h[c] * h[c];
+        const float inv = 1.0f / sqrtf((float)(ss / cols) + eps);
+        for (int64_t c = 0; c < cols; c++) o[c] = w[c] * (h[c] * inv);
+    }
+}
+
+/* Half-rotation rotary embedding of one tensor x[T, H, D] (token stride x_stride, heads packed)
+ * into out[T, H, D] (contiguous); cos_sin[pos] holds cos in its first D/2 values, sin in the rest.
+ * No fused multiply-add, so results are the reference's bit for bit. */
+__attribute__((optimize("fp-contract=off")))
+void rotary_f32(const int64_t *positions, const float *x, float *out, const float *cos_sin, int64_t tokens,
+                int64_t heads, int64_t head_dim, int64_t x_stride) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *cs = cos_sin + positions[t] * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xi = x + t * x_stride + h * head_dim;
+            float *o = out + (t * heads + h) * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float c = cs[i], s = cs[half + i], x1 = xi[i], x2 = xi[half + i];
+                const float a = x1 * c, b = -x2 * s, e = x2 * c, f = x1 * s;
+                o[i] = a + b;
+                o[half + i] = e + f;
+            }
+        }
+    }
+}
