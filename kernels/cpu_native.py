@@ -38,6 +38,7 @@ _ARGTYPES = {
     **{f"paged_decode_attention_{s}": [_P] * 5 + [_I, _P] + [_I] * 8 + [_F] for s in ("f32", "bf16", "f16")},
     "add_rms_norm_f32": [_P] * 5 + [_I] * 4 + [_F],
     "rotary_f32": [_P] * 4 + [_I] * 4,
+    "write_kv_rows": [_P] * 5 + [_I] * 5,
 }
 
 
@@ -115,7 +116,7 @@ def library() -> ctypes.CDLL:
     for name, argtypes in _ARGTYPES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name.startswith("paged_") else None
+        fn.restype = ctypes.c_int if name.startswith(("paged_", "write_kv")) else None
     return lib
 
 
@@ -237,3 +238,29 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         outs.append(out)
     return outs[0], outs[1]
 
+
+
+def supports_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> bool:
+    """Same dtype throughout, token rows packed [Hkv, D] in the inputs, caches contiguous per layer."""
+    if key.device.type != "cpu" or not (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype):
+        return False
+    if slot_mapping.dtype != torch.int64 or key.shape != value.shape or key.dim() != 3:
+        return False
+    packed = (key.shape[2], 1)
+    return (key.stride()[1:] == packed and value.stride()[1:] == packed and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and k_cache.shape[2:] == key.shape[1:])
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """The caller checks supports_write_kv first."""
+    slots = slot_mapping.contiguous()
+    size = key.element_size()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    status = library().write_kv_rows(
+        key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+        key.shape[0], key.shape[1] * key.shape[2] * size, key.stride(0) * size, value.stride(0) * size, num_slots,
+    )
+    if status != 0:
+        raise IndexError(f"a slot lies past the KV cache's {num_slots} slots")

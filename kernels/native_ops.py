@@ -1,6 +1,6 @@
-"""The CPU kernel set: the torch references, with decode attention, RMSNorm and rotary embedding
-from the native C kernels (kvrelay.kernels.cpu_native) for the dtypes and layouts
-they support (decode attention: fp32/bf16/fp16; the rest: fp32). SiLU-and-mul stays torch: its
+"""The CPU kernel set: the torch references, with decode attention, RMSNorm, rotary embedding and
+the KV write from the native C kernels (kvrelay.kernels.cpu_native) for the dtypes and layouts
+they support (decode attention and KV write: fp32/bf16/fp16; the rest: fp32). SiLU-and-mul stays torch: its
 vectorised exp beat a C loop over glibc's scalar expf 3x."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from kvrelay.kernels.reference import (
     quantize_int8,
     scatter_blocks,
     silu_and_mul,
-    write_kv,
 )
 
 __all__ = [
@@ -66,3 +65,15 @@ def rotary_embedding(
         return cpu_native.rotary_embedding(positions, q, k, cos_sin_cache)
     return reference.rotary_embedding(positions, q, k, cos_sin_cache)
 
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if cpu_native.supports_write_kv(key, value, k_cache, v_cache, slot_mapping):
+        return cpu_native.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    return reference.write_kv(key, value, k_cache, v_cache, slot_mapping)

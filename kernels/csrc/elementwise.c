@@ -5,6 +5,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define PARALLEL_MIN_ELEMENTS 65536
 
@@ -53,4 +54,20 @@ void rotary_f32(const int64_t *positions, const float *x, float *out, const floa
             }
         }
     }
+}
+
+/* Copy rows key/value[t] (row_bytes each, rows `key_stride` / `value_stride` bytes apart) into the
+ * layer caches at slot slots[t]; slots < 0 are skipped. Returns -1, having written nothing, when a
+ * slot lies past the cache's num_slots. */
+int write_kv_rows(const char *key, const char *value, char *k_cache, char *v_cache, const int64_t *slots,
+                  int64_t tokens, int64_t row_bytes, int64_t key_stride, int64_t value_stride, int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] >= num_slots) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * row_bytes, key + t * key_stride, row_bytes);
+        memcpy(v_cache + slot * row_bytes, value + t * value_stride, row_bytes);
+    }
+    return 0;
 }

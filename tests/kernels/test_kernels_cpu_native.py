@@ -134,12 +134,36 @@ def test_rotary_is_the_reference_bit_for_bit(tokens):
     with pytest.raises(IndexError, match="positions must lie in"):
         cpu_native.rotary_embedding(positions + 300, q, k, cos_sin)
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_write_kv_matches_the_reference_and_skips_negative_slots(dtype):
+    # value rows are a view into the fused qkv projection (strided), as in the engine.
+    qkv = randn((6, 3 * 2 * 16), dtype, 0)
+    key, value = randn((6, 2, 16), dtype, 1), qkv[:, 2 * 16 : 4 * 16].view(6, 2, 16)
+    slots = torch.tensor([5, -1, 0, 17, 31, 8])
+    caches = {}
+    for name, fn in (("native", native_ops.write_kv), ("reference", reference.write_kv)):
+        kv = torch.zeros(2, 4, 8, 2, 16, dtype=dtype)
+        assert name != "native" or cpu_native.supports_write_kv(key, value, kv[0], kv[1], slots)
+        fn(key, value, kv[0], kv[1], slots)
+        caches[name] = kv
+    assert torch.equal(caches["native"], caches["reference"])
+    assert int((caches["native"][0].flatten(0, 1).abs().sum((1, 2)) > 0).sum()) == 5  # slot -1 skipped
+
+
+def test_write_kv_refuses_a_slot_past_the_cache_and_writes_nothing():
+    key = value = randn((3, 2, 16), torch.float32, 0)
+    kv = torch.zeros(2, 4, 8, 2, 16)
+    with pytest.raises(IndexError, match="past the KV cache's 32 slots"):
+        cpu_native.write_kv(key, value, kv[0], kv[1], torch.tensor([0, 1, 32]))
+    assert not kv.any()
+
 def test_native_backend_takes_native_kernels_where_they_exist():
     ops = get_ops("native")
     assert ops.backend == "native"
-    for name in ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding"):
+    for name in ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv"):
         assert getattr(ops, name) is getattr(native_ops, name)
-    for name in ("paged_prefill_attention", "write_kv", "silu_and_mul", "gather_blocks"):
+    for name in ("paged_prefill_attention", "silu_and_mul", "gather_blocks"):
         assert getattr(ops, name) is getattr(reference, name)
 
 
