@@ -30,6 +30,12 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 COPY --from=build /opt/venv /opt/venv
+# A C compiler: on CPU the native kernels are compiled at first start for the node's own CPU
+# (-march=native), into ~/.cache/kvrelay/kernels or $KVRELAY_KERNEL_CACHE. Without one, kvrelay
+# falls back to the slower torch kernels and logs why.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/kvrelay kvrelay \
  && mkdir -p /opt/kvrelay/models \
  && ln -s "$(python -c 'from kvrelay.models import BUNDLED_MODEL; print(BUNDLED_MODEL)')" /opt/kvrelay/models/stories260K

@@ -84,9 +84,15 @@ def build(cc: str | None = None) -> Path:
     target = _cache_dir() / f"kvrelay_cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Compile to a private name, then rename: processes racing to build never load a half file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Compile to a private name, then rename: processes racing to build never load a half file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    except OSError as exc:
+        raise NativeKernelsUnavailable(
+            f"cannot write the kernel cache folder {target.parent} ({exc}): set KVRELAY_KERNEL_CACHE "
+            "to a writable folder"
+        ) from exc
     os.close(fd)
     cmd = [cc, *CFLAGS, "-o", tmp, *(str(SOURCE_DIR / s) for s in SOURCES), "-lm"]
     try:

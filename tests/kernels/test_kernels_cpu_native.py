@@ -224,3 +224,13 @@ def test_cpu_engine_defaults_to_native_and_matches_the_torch_backend():
         outputs[backend] = done
     assert outputs["auto"] == outputs["torch"]
     assert all(len(ids) > 10 for ids in outputs["auto"].values())
+
+
+def test_an_unwritable_cache_folder_falls_back_with_the_fix_in_the_message(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the cache folder should be: mkdir fails, even as root
+    out = _python("from kvrelay.kernels.registry import get_ops; print(get_ops('auto').backend)",
+                  KVRELAY_KERNEL_CACHE=str(blocker / "kernels"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["torch"]
+    assert "cannot write the kernel cache folder" in out.stderr and "KVRELAY_KERNEL_CACHE" in out.stderr
