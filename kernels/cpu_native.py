@@ -3,6 +3,8 @@
 Why C and not torch: plain torch has no op that reads a block table in place, so the reference
 decode attention gathers every sequence's blocks into a padded copy and reads it back, three
 passes over the KV bytes; decode attention is memory-bound, so this is most of its cost on CPU.
+The norms, rotary embedding and KV write are one pass each where the references chain several
+torch ops, each with its own pass and per-op overhead.
 
 The library is built with the machine's C compiler (`$CC`, default `cc`) with -march=native and
 OpenMP, into a cache folder ($KVRELAY_KERNEL_CACHE, default ~/.cache/kvrelay/kernels) under a name
@@ -29,7 +31,9 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_decode_attention.c", "elementwise.c")
-CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared") + (
+    ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()  # gcc picks 256 bits
+)
 BUILD_TIMEOUT_S = 120
 
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -109,16 +113,27 @@ def build(cc: str | None = None) -> Path:
     return target
 
 
-@functools.cache
 def library() -> ctypes.CDLL:
     """The loaded kernels (built on first call); raises NativeKernelsUnavailable."""
+    lib = _load()
+    if isinstance(lib, str):
+        raise NativeKernelsUnavailable(lib)
+    return lib
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | str:
+    """The library, or why it is unavailable: a failure is remembered too, not retried per call."""
     if os.environ.get("KVRELAY_NATIVE_KERNELS", "1") == "0":
-        raise NativeKernelsUnavailable("native CPU kernels disabled by KVRELAY_NATIVE_KERNELS=0")
-    path = build()
+        return "native CPU kernels disabled by KVRELAY_NATIVE_KERNELS=0"
+    try:
+        path = build()
+    except NativeKernelsUnavailable as exc:
+        return str(exc)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
-        raise NativeKernelsUnavailable(f"loading {path} failed: {exc}") from exc
+        return f"loading {path} failed: {exc}"
     for name, argtypes in _ARGTYPES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
