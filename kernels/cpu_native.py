@@ -10,7 +10,7 @@ The library is built with the machine's C compiler (`$CC`, default `cc`) with -m
 OpenMP, into a cache folder ($KVRELAY_KERNEL_CACHE, default ~/.cache/kvrelay/kernels) under a name
 keyed by the sources, the flags, the compiler and the CPU, so a shared home folder never serves
 one machine's build to another. It links OpenMP by soname, so in-process it shares the OpenMP
-runtime torch already loaded (one thread pool, torch's thread count).
+runtime torch already loaded (one thread pool); every call passes torch's thread count.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared") + (
 BUILD_TIMEOUT_S = 120
 
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # _N: thread count
 _ARGTYPES = {
-    **{f"paged_decode_attention_{s}": [_P] * 5 + [_I, _P] + [_I] * 8 + [_F] for s in ("f32", "bf16", "f16")},
-    "add_rms_norm_f32": [_P] * 5 + [_I] * 4 + [_F],
-    "rotary_f32": [_P] * 4 + [_I] * 4,
+    **{f"paged_decode_attention_{s}": [_P] * 5 + [_I, _P] + [_I] * 8 + [_F, _N] for s in ("f32", "bf16", "f16")},
+    "add_rms_norm_f32": [_P] * 5 + [_I] * 4 + [_F, _N],
+    "rotary_f32": [_P] * 4 + [_I] * 4 + [_N],
     "write_kv_rows": [_P] * 5 + [_I] * 5,
 }
 
@@ -188,7 +188,7 @@ def paged_decode_attention(
     status = fn(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), batch, num_heads, kv_heads, head_dim, block_size,
-        k_cache.stride()[0], num_blocks, max_len, scale,
+        k_cache.stride()[0], num_blocks, max_len, scale, torch.get_num_threads(),
     )
     if status == -2:
         raise ValueError(f"a block table entry lies outside the KV cache's {num_blocks} blocks")
@@ -230,7 +230,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     library().add_rms_norm_f32(
         xr.data_ptr(), rr.data_ptr() if rr is not None else None, weight.data_ptr(), out.data_ptr(),
         summed.data_ptr() if summed is not None else None, xr.shape[0], xr.shape[1], xr.stride(0),
-        rr.stride(0) if rr is not None else 0, eps,
+        rr.stride(0) if rr is not None else 0, eps, torch.get_num_threads(),
     )
     return out, summed
 
@@ -255,7 +255,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     for x in (q, k):
         out = torch.empty(x.shape, dtype=torch.float32)
         lib.rotary_f32(positions.data_ptr(), x.data_ptr(), out.data_ptr(), cos_sin_cache.data_ptr(),
-                       x.shape[0], x.shape[1], x.shape[2], x.stride(0))
+                       x.shape[0], x.shape[1], x.shape[2], x.stride(0), torch.get_num_threads())
         outs.append(out)
     return outs[0], outs[1]
 

@@ -1,7 +1,8 @@
 /* Native CPU elementwise kernels (fp32), loaded by kvrelay.kernels.cpu_native through ctypes.
  * Same contracts as the torch references in kvrelay.kernels.reference; each is one pass over
  * its rows where the references run several torch ops, each reading and writing the activations.
- * Small inputs run on the calling thread: an OpenMP fork costs more than they do. */
+ * Small inputs run on the calling thread: an OpenMP fork costs more than they do. Thread counts
+ * come from the caller (torch.get_num_threads()): OpenMP's own default is per calling thread. */
 
 #include <math.h>
 #include <stdint.h>
@@ -13,8 +14,9 @@
  * to sum_out) when residual is given. Rows of x and residual are `x_stride` apart; out and sum_out
  * are contiguous. The sum of squares is kept in fp64, so it rounds once, like torch's pairwise sum. */
 void add_rms_norm_f32(const float *x, const float *residual, const float *w, float *out, float *sum_out,
-                      int64_t rows, int64_t cols, int64_t x_stride, int64_t residual_stride, float eps) {
-#pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
+                      int64_t rows, int64_t cols, int64_t x_stride, int64_t residual_stride, float eps,
+                      int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
         float *o = out + r * cols;
@@ -38,9 +40,10 @@ void add_rms_norm_f32(const float *x, const float *residual, const float *w, flo
  * No fused multiply-add, so results are the reference's bit for bit. */
 __attribute__((optimize("fp-contract=off")))
 void rotary_f32(const int64_t *positions, const float *x, float *out, const float *cos_sin, int64_t tokens,
-                int64_t heads, int64_t head_dim, int64_t x_stride) {
+                int64_t heads, int64_t head_dim, int64_t x_stride, int num_threads) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMENTS)
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t t = 0; t < tokens; t++) {
         const float *cs = cos_sin + positions[t] * head_dim;
         for (int64_t h = 0; h < heads; h++) {

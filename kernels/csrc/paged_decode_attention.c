@@ -4,7 +4,6 @@
  * block table entry in use lies outside the cache (checked so it cannot read out of bounds). */
 
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -14,15 +14,15 @@
 int FN(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,
        int64_t table_stride, const int32_t *seq_lens, int64_t batch, int64_t num_heads,
        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t block_stride,
-       int64_t num_blocks, int64_t max_len, float scale) {
+       int64_t num_blocks, int64_t max_len, float scale, int num_threads) {
     const int64_t D = head_dim;
     const int64_t token_stride = num_kv_heads * D;
-    const int64_t split = batch >= 4 * omp_get_max_threads() ? 1 : num_kv_heads;
+    const int64_t split = batch >= 4 * num_threads ? 1 : num_kv_heads;
     const int64_t heads_per_task = num_kv_heads / split;
     const int64_t rows = heads_per_task * (num_heads / num_kv_heads);  /* query heads per task */
     const int64_t stride = max_len > 0 ? max_len : 1;
     int status = 0; /* 0 ok, -1 out of memory, -2 block id out of range */
-#pragma omp parallel
+#pragma omp parallel num_threads(num_threads)
     {
         float *scores = malloc(sizeof(float) * rows * stride);
         float *qf = malloc(sizeof(float) * rows * D);

@@ -234,3 +234,25 @@ def test_an_unwritable_cache_folder_falls_back_with_the_fix_in_the_message(tmp_p
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["torch"]
     assert "cannot write the kernel cache folder" in out.stderr and "KVRELAY_KERNEL_CACHE" in out.stderr
+
+
+def test_kernels_use_torchs_thread_count_from_any_thread():
+    # OpenMP's default team size is per calling thread, so a kernel called from an engine thread
+    # would ignore torch.set_num_threads(1) unless the count is passed in: count the OS threads.
+    code = """
+import os, threading, torch
+from kvrelay.kernels import cpu_native
+torch.set_num_threads(1)
+q = torch.randn(64, 8, 64); kv = torch.randn(2, 70, 16, 8, 64)
+tables = torch.arange(64, dtype=torch.int32)[:, None]; lens = torch.full((64,), 16, dtype=torch.int32)
+before = len(os.listdir('/proc/self/task'))
+t = threading.Thread(target=lambda: cpu_native.paged_decode_attention(q, kv[0], kv[1], tables, lens, 0.1))
+t.start(); t.join()
+x = torch.randn(4096, 64)
+t = threading.Thread(target=lambda: cpu_native.add_rms_norm(x, None, torch.ones(64), 1e-6))
+t.start(); t.join()
+print(len(os.listdir('/proc/self/task')) - before)
+"""
+    out = _python(code, OMP_NUM_THREADS="2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0"]  # no OpenMP worker threads were started
