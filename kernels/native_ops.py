@@ -1,7 +1,7 @@
 """The CPU kernel set: the torch references, with decode attention, RMSNorm, rotary embedding and
 the KV write from the native C kernels (kvrelay.kernels.cpu_native) for the dtypes and layouts
-they support (decode attention and KV write: fp32/bf16/fp16; the rest: fp32). SiLU-and-mul stays torch: its
-vectorised exp beat a C loop over glibc's scalar expf 3x."""
+they support (decode attention and KV write: fp32/bf16/fp16; the rest: fp32). SiLU-and-mul stays
+torch: its vectorised exp beat a C loop over glibc's scalar expf 3x."""
 
 from __future__ import annotations
 
