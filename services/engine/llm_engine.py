@@ -6,6 +6,7 @@ Not thread-safe: AsyncEngine drives it from a single thread.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from kvrelay.engine.sequence import Sequence, Status
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.engine.weights import assemble, dummy_tensors, quantize_linears, read_tensors
 from kvrelay.kernels.registry import cpu_backend, get_ops
+
+log = logging.getLogger(__name__)
 
 
 def _read_generation_config(model_dir: Path) -> dict:
@@ -115,6 +118,11 @@ class LLMEngine:
         self._next_seq_id = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        log.info(
+            "engine ready: %s (%s, %s) on %s, kernels %s, KV cache %d blocks of %d tokens (%.0f MiB), "
+            "max_model_len %d", self.model_name, cfg.architecture, dtype_name, self.device, self.ops.backend,
+            num_blocks, bs, self.kv_cache.numel() * self.dtype.itemsize / 2**20, self.max_model_len,
+        )
 
     # ---- requests -----------------------------------------------------------------------------
 

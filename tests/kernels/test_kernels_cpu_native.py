@@ -206,15 +206,19 @@ def test_disabled_by_environment():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
-def test_cpu_engine_defaults_to_native_and_matches_the_torch_backend():
+def test_cpu_engine_defaults_to_native_and_matches_the_torch_backend(caplog):
     from kvrelay.engine.engine_args import EngineArgs
     from kvrelay.engine.llm_engine import LLMEngine
     from kvrelay.engine.sampling_params import SamplingParams
 
     outputs = {}
     for backend in ("auto", "torch"):
-        engine = LLMEngine(EngineArgs(kernel_backend=backend))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="kvrelay.engine.llm_engine"):
+            engine = LLMEngine(EngineArgs(kernel_backend=backend))
         assert engine.ops.backend == ("native" if backend == "auto" else "torch")
+        # The start-up line says which kernels run.
+        assert f"kernels {engine.ops.backend}," in caplog.text and "engine ready: stories260K" in caplog.text
         for i, prompt in enumerate(["Once upon a time", "The little dog", "Lily"]):
             engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0.0), str(i))
         done: dict[str, list[int]] = {}
