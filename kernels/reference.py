@@ -1,4 +1,5 @@
-"""Plain torch references for every kernel. The engine runs these on CPU.
+"""Plain torch references for every kernel. On CPU the engine runs these (with native C kernels
+for some, see kvrelay.kernels.native_ops); on GPU the Triton kernels are tested against them.
 
 Shapes and layout, shared with the Triton kernels (same signatures):
 - T tokens in a step, Hq query heads, Hkv KV heads, D head dim, B sequences.
