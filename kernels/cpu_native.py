@@ -41,7 +41,7 @@ _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  
 _ARGTYPES = {
     **{f"paged_decode_attention_{s}": [_P] * 5 + [_I, _P] + [_I] * 8 + [_F, _N] for s in ("f32", "bf16", "f16")},
     "add_rms_norm_f32": [_P] * 5 + [_I] * 4 + [_F, _N],
-    "rotary_f32": [_P] * 4 + [_I] * 4 + [_N],
+    "rotary_f32": [_P] * 4 + [_I] * 5 + [_N],
     "write_kv_rows": [_P] * 5 + [_I] * 5,
 }
 
@@ -137,7 +137,7 @@ def _load() -> ctypes.CDLL | str:
     for name, argtypes in _ARGTYPES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name.startswith(("paged_", "write_kv")) else None
+        fn.restype = None if name.startswith("add_rms_norm") else ctypes.c_int
     return lib
 
 
@@ -248,14 +248,15 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The caller checks supports_rotary first."""
     positions = positions.contiguous()
-    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < cos_sin_cache.shape[0]:
-        raise IndexError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rotary table's size)")
     lib = library()
     outs = []
     for x in (q, k):
         out = torch.empty(x.shape, dtype=torch.float32)
-        lib.rotary_f32(positions.data_ptr(), x.data_ptr(), out.data_ptr(), cos_sin_cache.data_ptr(),
-                       x.shape[0], x.shape[1], x.shape[2], x.stride(0), torch.get_num_threads())
+        status = lib.rotary_f32(positions.data_ptr(), x.data_ptr(), out.data_ptr(), cos_sin_cache.data_ptr(),
+                                x.shape[0], x.shape[1], x.shape[2], x.stride(0), cos_sin_cache.shape[0],
+                                torch.get_num_threads())
+        if status != 0:
+            raise IndexError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rotary table's size)")
         outs.append(out)
     return outs[0], outs[1]
 

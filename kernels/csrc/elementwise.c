@@ -37,10 +37,13 @@ void add_rms_norm_f32(const float *x, const float *residual, const float *w, flo
 
 /* Half-rotation rotary embedding of one tensor x[T, H, D] (token stride x_stride, heads packed)
  * into out[T, H, D] (contiguous); cos_sin[pos] holds cos in its first D/2 values, sin in the rest.
- * No fused multiply-add, so results are the reference's bit for bit. */
+ * No fused multiply-add, so results are the reference's bit for bit. Returns -1, having written
+ * nothing, when a position lies outside the table's num_positions rows. */
 __attribute__((optimize("fp-contract=off")))
-void rotary_f32(const int64_t *positions, const float *x, float *out, const float *cos_sin, int64_t tokens,
-                int64_t heads, int64_t head_dim, int64_t x_stride, int num_threads) {
+int rotary_f32(const int64_t *positions, const float *x, float *out, const float *cos_sin, int64_t tokens,
+               int64_t heads, int64_t head_dim, int64_t x_stride, int64_t num_positions, int num_threads) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= num_positions) return -1;
     const int64_t half = head_dim / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMENTS)
@@ -57,6 +60,7 @@ void rotary_f32(const int64_t *positions, const float *x, float *out, const floa
             }
         }
     }
+    return 0;
 }
 
 /* Copy rows key/value[t] (row_bytes each, rows `key_stride` / `value_stride` bytes apart) into the
