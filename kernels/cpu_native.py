@@ -213,11 +213,12 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def supports_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
-    rows = _as_rows(x)
-    if rows is None or not _fp32_rows(rows) or weight.dtype != torch.float32 or not weight.is_contiguous():
+    if weight.dtype != torch.float32 or not weight.is_contiguous():
         return False
-    return residual is None or (residual.shape == x.shape and _as_rows(residual) is not None
-                                and _fp32_rows(_as_rows(residual)))
+    if residual is not None and residual.shape != x.shape:
+        return False
+    tensors = (x,) if residual is None else (x, residual)
+    return all(rows is not None and _fp32_rows(rows) for rows in map(_as_rows, tensors))
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -259,7 +260,6 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             raise IndexError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (the rotary table's size)")
         outs.append(out)
     return outs[0], outs[1]
-
 
 
 def supports_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -66,7 +66,6 @@ def rotary_embedding(
     return reference.rotary_embedding(positions, q, k, cos_sin_cache)
 
 
-
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,

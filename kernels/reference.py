@@ -146,8 +146,8 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
     Tiles of query rows against only the keys up to the tile's last position, as two batched
     matmuls and a softmax: on CPU 1.5-6x faster than SDPA with a mask (which computes the whole
-    masked square; `python benchmarks/prefill_attention.py`). The query heads of a GQA group are
-    stacked on their KV head, so K/V are never repeated.
+    masked square; `.venv/bin/python benchmarks/prefill_attention.py`). The query heads of a GQA
+    group are stacked on their KV head, so K/V are never repeated.
     """
     lq, hq, d = q.shape
     ctx, hkv, _ = k.shape

@@ -3,8 +3,8 @@
 `get_ops("auto" | "torch" | "native" | "triton")` returns a KernelOps whose functions share the
 signatures documented in kvrelay.kernels.reference:
 - "torch": the plain torch references, everywhere.
-- "native": the references, with decode attention from C kernels compiled on first use
-  (kvrelay.kernels.cpu_native); CPU only.
+- "native": the references, with decode attention, norms, rotary and KV write from C kernels
+  compiled on first use (kvrelay.kernels.native_ops); CPU only.
 - "triton": Triton kernels on CUDA.
 - "auto": triton with CUDA; else native when it builds here, torch (with a warning) when not.
 
@@ -70,7 +70,7 @@ def cpu_backend() -> str:
     reason = cpu_native.unavailable_reason()
     if reason is None:
         return "native"
-    log.warning("using the torch kernels on CPU (slower decode attention): %s", reason)
+    log.warning("using the torch kernels on CPU (slower decode): %s", reason)
     return "torch"
 
 

@@ -62,7 +62,7 @@ class LLMEngine:
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
         if self.device.type == "cpu":
-            keep_large_buffers_mapped()  # activations and gathered KV are multi-MiB buffers, every step
+            keep_large_buffers_mapped()  # each step's activations are multi-MiB buffers
         backend = args.kernel_backend
         if backend == "auto" and self.device.type != "cuda":
             backend = cpu_backend()  # Triton kernels need CUDA tensors (the interpreter is for tests)
