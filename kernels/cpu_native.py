@@ -34,6 +34,9 @@ SOURCES = ("paged_decode_attention.c", "elementwise.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared") + (
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()  # gcc picks 256 bits
 )
+# glibc's vector math library, for the attention softmax's expf (see paged_decode_attention.c).
+_X86_GLIBC = platform.machine() in ("x86_64", "AMD64") and platform.libc_ver()[0] == "glibc"
+LIBS = ("-lmvec", "-lm") if _X86_GLIBC else ("-lm",)
 BUILD_TIMEOUT_S = 120
 
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -84,7 +87,7 @@ def build(cc: str | None = None) -> Path:
     key = hashlib.sha256()
     for name in sorted(p.name for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h")):
         key.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes())
-    key.update(" ".join(CFLAGS).encode() + _compiler_version(cc).encode() + _cpu_signature().encode())
+    key.update(" ".join(CFLAGS + LIBS).encode() + _compiler_version(cc).encode() + _cpu_signature().encode())
     target = _cache_dir() / f"kvrelay_cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -98,7 +101,7 @@ def build(cc: str | None = None) -> Path:
             "to a writable folder"
         ) from exc
     os.close(fd)
-    cmd = [cc, *CFLAGS, "-o", tmp, *(str(SOURCE_DIR / s) for s in SOURCES), "-lm"]
+    cmd = [cc, *CFLAGS, "-o", tmp, *(str(SOURCE_DIR / s) for s in SOURCES), *LIBS]
     try:
         done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:

@@ -7,6 +7,29 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* Blocks ahead of the one being read whose rows are prefetched: 1 and 4 read slower (see the
+ * impl's header comment). */
+#define PREFETCH_AHEAD 2
+
+/* Prefetch into L2 a block's rows for one task: row_bytes at each of block_size tokens. */
+#define PREFETCH_ROWS(ptr, block_size, token_stride, row_bytes)                                 \
+    do {                                                                                        \
+        const char *p_ = (const char *)(ptr);                                                   \
+        const int64_t step_ = (token_stride) * (int64_t)sizeof(*(ptr));                         \
+        for (int64_t t_ = 0; t_ < (block_size); t_++)                                           \
+            for (int64_t o_ = 0; o_ < (row_bytes); o_ += 64) __builtin_prefetch(p_ + t_ * step_ + o_, 0, 2); \
+    } while (0)
+
+/* glibc's libmvec has vector expf (within 4 ulp), which math.h declares only under -ffast-math;
+ * the softmax loop calls it 16 lanes at a time (kvrelay.kernels.cpu_native links it on x86-64). */
+#if defined(__x86_64__) && defined(__GLIBC__)
+#pragma omp declare simd notinbranch
+float expf(float);
+#endif
 
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
@@ -29,32 +52,146 @@ static inline uint16_t bf16_store(float f) {  /* round to nearest even, as torch
 static inline float f16_load(_Float16 x) { return (float)x; }
 static inline _Float16 f16_store(float x) { return (_Float16)x; }
 
+/* q . k over D elements: each product rounded to fp32, the sum kept in fp64 (random test models
+ * amplify fp32 summation error past the 1e-4 logprob tolerance). One per dtype, as DOT. */
+#define GENERIC_DOT(name, T, LOAD)                                           \
+    static inline double name(const float *q, const T *k, int64_t D) {      \
+        double s = 0.0;                                                      \
+        _Pragma("omp simd reduction(+ : s)") for (int64_t d = 0; d < D; d++) \
+            s += q[d] * LOAD(k[d]);                                          \
+        return s;                                                            \
+    }
+GENERIC_DOT(dot_f32_generic, float, f32_load)
+GENERIC_DOT(dot_bf16, uint16_t, bf16_load)
+GENERIC_DOT(dot_f16, _Float16, f16_load)
+
+/* The compiler's fp64 reduction above ends in seven dependent scalar adds per row, which made it
+ * the kernel's largest cost; this one keeps two vector sums and reduces them as a tree. */
+static inline double dot_f32(const float *q, const float *k, int64_t D) {
+#if defined(__AVX512F__)
+    if ((D & 15) == 0) {
+        __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+        for (int64_t d = 0; d < D; d += 16) {
+            __m512 p = _mm512_mul_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d));
+            a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(p)));
+            a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1))));
+        }
+        return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+    }
+#endif
+    return dot_f32_generic(q, k, D);
+}
+
+/* out[t] = scale * q . k[t * k_stride : +D] for n tokens of one head (products in fp32, sums in
+ * fp64, as DOT). The AVX-512 form keeps q in registers across the tokens. */
+#define GENERIC_DOTS(name, T, DOTFN)                                                               \
+    static inline void name(float *out, const float *q, const T *k, int64_t n, int64_t k_stride,   \
+                            int64_t D, float scale) {                                              \
+        for (int64_t t = 0; t < n; t++) out[t] = (float)DOTFN(q, k + t * k_stride, D) * scale;     \
+    }
+GENERIC_DOTS(dots_f32_generic, float, dot_f32)
+GENERIC_DOTS(dots_bf16, uint16_t, dot_bf16)
+GENERIC_DOTS(dots_f16, _Float16, dot_f16)
+
+#if defined(__AVX512F__)
+static inline void dots_f32_regs(float *out, const float *q, const float *k, int64_t n, int64_t k_stride,
+                                 float scale, const int nc) { /* D = 16 * nc; inlined with nc constant */
+    __m512 qv[8];
+    for (int c = 0; c < nc; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    for (int64_t t = 0; t < n; t++) {
+        __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+        for (int c = 0; c < nc; c++) {
+            __m512 p = _mm512_mul_ps(qv[c], _mm512_loadu_ps(k + t * k_stride + 16 * c));
+            a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(p)));
+            a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1))));
+        }
+        out[t] = (float)_mm512_reduce_add_pd(_mm512_add_pd(a0, a1)) * scale;
+    }
+}
+#endif
+
+static inline void dots_f32(float *out, const float *q, const float *k, int64_t n, int64_t k_stride, int64_t D,
+                            float scale) {
+#if defined(__AVX512F__)
+    if (D == 64) return dots_f32_regs(out, q, k, n, k_stride, scale, 4);
+    if (D == 128) return dots_f32_regs(out, q, k, n, k_stride, scale, 8);
+#endif
+    dots_f32_generic(out, q, k, n, k_stride, D, scale);
+}
+
+/* acc[0:D] += sum over n tokens of p[t] * v[t * v_stride : +D], for one head. The generic form
+ * reloads and stores acc for every token; the fp32 AVX-512 form keeps acc in registers. */
+#define GENERIC_AXPY(name, T, LOAD)                                                                  \
+    static inline void name(float *acc, const float *p, const T *v, int64_t n, int64_t v_stride,     \
+                            int64_t D) {                                                             \
+        for (int64_t t = 0; t < n; t++) {                                                            \
+            const T *vt = v + t * v_stride;                                                          \
+            _Pragma("omp simd") for (int64_t d = 0; d < D; d++) acc[d] += p[t] * LOAD(vt[d]);         \
+        }                                                                                            \
+    }
+GENERIC_AXPY(axpy_f32_generic, float, f32_load)
+GENERIC_AXPY(axpy_bf16, uint16_t, bf16_load)
+GENERIC_AXPY(axpy_f16, _Float16, f16_load)
+
+#if defined(__AVX512F__)
+static inline void axpy_f32_regs(float *acc, const float *p, const float *v, int64_t n, int64_t v_stride,
+                                 const int nc) { /* D = 16 * nc; inlined with nc constant */
+    __m512 a[8];
+    for (int c = 0; c < nc; c++) a[c] = _mm512_loadu_ps(acc + 16 * c);
+    for (int64_t t = 0; t < n; t++) {
+        const __m512 pt = _mm512_set1_ps(p[t]);
+        for (int c = 0; c < nc; c++) a[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + t * v_stride + 16 * c), a[c]);
+    }
+    for (int c = 0; c < nc; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+#endif
+
+static inline void axpy_f32(float *acc, const float *p, const float *v, int64_t n, int64_t v_stride, int64_t D) {
+#if defined(__AVX512F__)
+    if (D == 64) return axpy_f32_regs(acc, p, v, n, v_stride, 4);
+    if (D == 128) return axpy_f32_regs(acc, p, v, n, v_stride, 8);
+#endif
+    axpy_f32_generic(acc, p, v, n, v_stride, D);
+}
+
 #define T float
+#define DOTS dots_f32
+#define AXPY axpy_f32
 #define LOAD f32_load
 #define STORE f32_store
 #define FN paged_decode_attention_f32
 #include "paged_decode_attention_impl.h"
 #undef T
+#undef DOTS
+#undef AXPY
 #undef LOAD
 #undef STORE
 #undef FN
 
 #define T uint16_t
+#define DOTS dots_bf16
+#define AXPY axpy_bf16
 #define LOAD bf16_load
 #define STORE bf16_store
 #define FN paged_decode_attention_bf16
 #include "paged_decode_attention_impl.h"
 #undef T
+#undef DOTS
+#undef AXPY
 #undef LOAD
 #undef STORE
 #undef FN
 
 #define T _Float16
+#define DOTS dots_f16
+#define AXPY axpy_f16
 #define LOAD f16_load
 #define STORE f16_store
 #define FN paged_decode_attention_f16
 #include "paged_decode_attention_impl.h"
 #undef T
+#undef DOTS
+#undef AXPY
 #undef LOAD
 #undef STORE
 #undef FN

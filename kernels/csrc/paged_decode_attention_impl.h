@@ -1,5 +1,7 @@
 /* Body of paged decode attention for one element type; paged_decode_attention.c includes it once
- * per dtype with T (element type), LOAD (T -> float), STORE (float -> T) and FN (name) defined.
+ * per dtype with T (element type), LOAD (T -> float), STORE (float -> T), DOTS (scores of a
+ * block's tokens for one head), AXPY (probability-weighted sum of a block's V rows for one head)
+ * and FN (name) defined.
  *
  * One query token per sequence against its paged context, read in place through the block
  * table: each K and V row crosses memory once. The torch reference instead gathers the blocks
@@ -9,6 +11,11 @@
  * sequences to keep every thread busy, so a task reads each block's rows front to back); a KV
  * head handles all query heads of its GQA group, so each K/V row is loaded once. Scores are
  * kept whole (two-pass softmax): a few KiB even for long contexts, small next to K/V.
+ *
+ * The K pass and then the V pass walk the blocks; each block first prefetches (into L2) the task's
+ * rows of the block PREFETCH_AHEAD later, across the K -> V boundary. Blocks lie anywhere
+ * in the pool, so the hardware prefetcher, which stops at 4 KiB pages, cannot run ahead of the
+ * arithmetic on its own: with this, the kernel reads at ~22 GB/s instead of ~17 on 2 cores.
  */
 
 int FN(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,
@@ -19,7 +26,9 @@ int FN(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *bl
     const int64_t token_stride = num_kv_heads * D;
     const int64_t split = batch >= 4 * num_threads ? 1 : num_kv_heads;
     const int64_t heads_per_task = num_kv_heads / split;
-    const int64_t rows = heads_per_task * (num_heads / num_kv_heads);  /* query heads per task */
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t rows = heads_per_task * group; /* query heads per task */
+    const int64_t row_bytes = heads_per_task * D * (int64_t)sizeof(T); /* a task's part of a token row */
     const int64_t stride = max_len > 0 ? max_len : 1;
     int status = 0; /* 0 ok, -1 out of memory, -2 block id out of range */
 #pragma omp parallel num_threads(num_threads)
@@ -37,62 +46,58 @@ int FN(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *bl
             if (!scores || !qf || !acc || !sums) continue;
             const int64_t b = task / split, h0 = (task % split) * heads_per_task;
             const int64_t len = seq_lens[b];
+            const int64_t nblk = (len + block_size - 1) / block_size;
             const int32_t *table = block_tables + b * table_stride;
             int bad_block = 0;
-            for (int64_t i = 0; i * block_size < len; i++)
-                bad_block |= table[i] < 0 || table[i] >= num_blocks;
+            for (int64_t i = 0; i < nblk; i++) bad_block |= table[i] < 0 || table[i] >= num_blocks;
             if (bad_block) {
 #pragma omp atomic write
                 status = -2;
                 continue;
             }
             /* Query rows h0*group .. are contiguous: heads of one KV head's group are adjacent. */
-            const T *qb = q + (b * num_heads + h0 * (num_heads / num_kv_heads)) * D;
+            const T *qb = q + (b * num_heads + h0 * group) * D;
             for (int64_t i = 0; i < rows * D; i++) qf[i] = LOAD(qb[i]);
-            const int64_t group = num_heads / num_kv_heads;
+            memset(acc, 0, sizeof(float) * rows * D);
 
-            for (int64_t start = 0; start < len; start += block_size) {
-                const int64_t base = (int64_t)table[start / block_size] * block_stride + h0 * D;
-                const int64_t n = len - start < block_size ? len - start : block_size;
-                for (int64_t t = 0; t < n; t++) {
-                    const T *k_row = k_cache + base + t * token_stride;
-                    for (int64_t r = 0; r < rows; r++) {
-                        const T *k = k_row + (r / group) * D;
-                        const float *qr = qf + r * D;
-                        double s = 0.0; /* fp64: random test models amplify fp32 rounding past 1e-4 */
-#pragma omp simd reduction(+ : s)
-                        for (int64_t d = 0; d < D; d++) s += qr[d] * LOAD(k[d]);
-                        scores[r * stride + start + t] = (float)s * scale;
-                    }
-                }
+            /* K pass: scores. Each block first prefetches the block PREFETCH_AHEAD later (past
+             * the last K block: the first V blocks). */
+            for (int64_t blk = 0; blk < nblk; blk++) {
+                const int64_t ahead = blk + PREFETCH_AHEAD;
+                if (ahead < nblk)
+                    PREFETCH_ROWS(k_cache + (int64_t)table[ahead] * block_stride + h0 * D, block_size, token_stride, row_bytes);
+                else if (ahead - nblk < nblk)
+                    PREFETCH_ROWS(v_cache + (int64_t)table[ahead - nblk] * block_stride + h0 * D, block_size, token_stride,
+                                  row_bytes);
+                const int64_t start = blk * block_size, n = len - start < block_size ? len - start : block_size;
+                const T *kb = k_cache + (int64_t)table[blk] * block_stride + h0 * D;
+                for (int64_t h = 0; h < heads_per_task; h++)
+                    for (int64_t r = h * group; r < (h + 1) * group; r++)
+                        DOTS(scores + r * stride + start, qf + r * D, kb + h * D, n, token_stride, D, scale);
             }
-
-            for (int64_t r = 0; r < rows; r++) {
+            for (int64_t r = 0; r < rows; r++) { /* softmax numerators and their sums */
                 float *sr = scores + r * stride;
                 float m = -INFINITY;
+#pragma omp simd reduction(max : m)
                 for (int64_t t = 0; t < len; t++) m = sr[t] > m ? sr[t] : m;
                 float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
                 for (int64_t t = 0; t < len; t++) {
                     sr[t] = expf(sr[t] - m);
                     sum += sr[t];
                 }
                 sums[r] = sum;
             }
-
-            memset(acc, 0, sizeof(float) * rows * D);
-            for (int64_t start = 0; start < len; start += block_size) {
-                const int64_t base = (int64_t)table[start / block_size] * block_stride + h0 * D;
-                const int64_t n = len - start < block_size ? len - start : block_size;
-                for (int64_t t = 0; t < n; t++) {
-                    const T *v_row = v_cache + base + t * token_stride;
-                    for (int64_t r = 0; r < rows; r++) {
-                        const T *v = v_row + (r / group) * D;
-                        const float p = scores[r * stride + start + t];
-                        float *ar = acc + r * D;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; d++) ar[d] += p * LOAD(v[d]);
-                    }
-                }
+            /* V pass: probability-weighted sums. */
+            for (int64_t blk = 0; blk < nblk; blk++) {
+                if (blk + PREFETCH_AHEAD < nblk)
+                    PREFETCH_ROWS(v_cache + (int64_t)table[blk + PREFETCH_AHEAD] * block_stride + h0 * D, block_size,
+                                  token_stride, row_bytes);
+                const int64_t start = blk * block_size, n = len - start < block_size ? len - start : block_size;
+                const T *vb = v_cache + (int64_t)table[blk] * block_stride + h0 * D;
+                for (int64_t h = 0; h < heads_per_task; h++)
+                    for (int64_t r = h * group; r < (h + 1) * group; r++)
+                        AXPY(acc + r * D, scores + r * stride + start, vb + h * D, n, token_stride, D);
             }
             T *ob = out + (b * num_heads + h0 * group) * D;
             for (int64_t r = 0; r < rows; r++)
