@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import torch
 from helpers import PROMPTS, make_engine, run_engine
+from kvrelay.engine.sampler import sample
 from kvrelay.engine.sampling_params import SamplingParams
 
 from kvrelay.models import BUNDLED_MODEL
@@ -167,3 +169,16 @@ def test_logit_bias_forces_and_bans_tokens():
                               "seeded": ("Once upon a time", seeded)})
     assert out["forced"] == [300] * 12 and out["seeded"] == [300] * 12
     assert out["banned"][0] != plain[0] and plain[0] not in out["banned"]
+
+
+def test_greedy_takes_the_first_of_tied_maxima():
+    engine = make_engine(BUNDLED_MODEL)
+    engine.add_request("Once upon a time", SamplingParams(max_tokens=4, temperature=0.0), "tie")
+    (seq,) = engine.requests["tie"]
+    vocab = engine.config.vocab_size
+    logits = torch.zeros(3, vocab)
+    logits[0, [7, 300, 301]] = 5.0  # a three-way tie at the top
+    logits[1, -1] = 1.0  # the last column alone
+    logits[2, [2, 3]] = float("inf")
+    tokens, _ = sample(logits, [seq, seq, seq])
+    assert tokens == [7, vocab - 1, 2]
