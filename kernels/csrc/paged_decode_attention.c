@@ -53,7 +53,7 @@ static inline float f16_load(_Float16 x) { return (float)x; }
 static inline _Float16 f16_store(float x) { return (_Float16)x; }
 
 /* q . k over D elements: each product rounded to fp32, the sum kept in fp64 (random test models
- * amplify fp32 summation error past the 1e-4 logprob tolerance). One per dtype, as DOT. */
+ * amplify fp32 summation error past the 1e-4 logprob tolerance). One per dtype, for DOTS below. */
 #define GENERIC_DOT(name, T, LOAD)                                           \
     static inline double name(const float *q, const T *k, int64_t D) {      \
         double s = 0.0;                                                      \
@@ -83,7 +83,7 @@ static inline double dot_f32(const float *q, const float *k, int64_t D) {
 }
 
 /* out[t] = scale * q . k[t * k_stride : +D] for n tokens of one head (products in fp32, sums in
- * fp64, as DOT). The AVX-512 form keeps q in registers across the tokens. */
+ * fp64, as above). The AVX-512 form keeps q in registers across the tokens. */
 #define GENERIC_DOTS(name, T, DOTFN)                                                               \
     static inline void name(float *out, const float *q, const T *k, int64_t n, int64_t k_stride,   \
                             int64_t D, float scale) {                                              \
