@@ -104,11 +104,14 @@ def main() -> None:
     p.add_argument("--mode", choices=["kvrelay", "hf-seq", "hf-batch"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.mode:
         return child(args)
 
     model_dir = Path(tempfile.gettempdir()) / "kvrelay-bench-llama30m"
     make_model_dir(model_dir, LLAMA_30M, with_weights=True)
+
     def run(mode: str) -> float:
         cmd = [sys.executable, __file__, "--mode", mode, "--model-dir", str(model_dir)]
         cmd += ["--requests", str(args.requests), "--hf-seq-requests", str(args.hf_seq_requests)]
