@@ -11,8 +11,8 @@
 #include <immintrin.h>
 #endif
 
-/* Blocks ahead of the one being read whose rows are prefetched: 1 and 4 read slower (see the
- * impl's header comment). */
+/* Blocks ahead of the one being read whose rows are prefetched: 1 and 4 read slower
+ * (benchmarks/decode_attention.py). */
 #define PREFETCH_AHEAD 2
 
 /* Prefetch into L2 a block's rows for one task: row_bytes at each of block_size tokens. */
@@ -161,12 +161,6 @@ static inline void axpy_f32(float *acc, const float *p, const float *v, int64_t 
 #define STORE f32_store
 #define FN paged_decode_attention_f32
 #include "paged_decode_attention_impl.h"
-#undef T
-#undef DOTS
-#undef AXPY
-#undef LOAD
-#undef STORE
-#undef FN
 
 #define T uint16_t
 #define DOTS dots_bf16
@@ -175,12 +169,6 @@ static inline void axpy_f32(float *acc, const float *p, const float *v, int64_t 
 #define STORE bf16_store
 #define FN paged_decode_attention_bf16
 #include "paged_decode_attention_impl.h"
-#undef T
-#undef DOTS
-#undef AXPY
-#undef LOAD
-#undef STORE
-#undef FN
 
 #define T _Float16
 #define DOTS dots_f16
@@ -189,9 +177,3 @@ static inline void axpy_f32(float *acc, const float *p, const float *v, int64_t 
 #define STORE f16_store
 #define FN paged_decode_attention_f16
 #include "paged_decode_attention_impl.h"
-#undef T
-#undef DOTS
-#undef AXPY
-#undef LOAD
-#undef STORE
-#undef FN

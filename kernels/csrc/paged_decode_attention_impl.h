@@ -1,7 +1,7 @@
 /* Body of paged decode attention for one element type; paged_decode_attention.c includes it once
  * per dtype with T (element type), LOAD (T -> float), STORE (float -> T), DOTS (scores of a
  * block's tokens for one head), AXPY (probability-weighted sum of a block's V rows for one head)
- * and FN (name) defined.
+ * and FN (name) defined; it undefines them at its end, ready for the next dtype.
  *
  * One query token per sequence against its paged context, read in place through the block
  * table: each K and V row crosses memory once. The torch reference instead gathers the blocks
@@ -15,7 +15,8 @@
  * The K pass and then the V pass walk the blocks; each block first prefetches (into L2) the task's
  * rows of the block PREFETCH_AHEAD later, across the K -> V boundary. Blocks lie anywhere
  * in the pool, so the hardware prefetcher, which stops at 4 KiB pages, cannot run ahead of the
- * arithmetic on its own: with this, the kernel reads at ~22 GB/s instead of ~17 on 2 cores.
+ * arithmetic on its own: with this, the kernel reads at ~22 GB/s instead of ~17 on 2 cores
+ * (benchmarks/decode_attention.py).
  */
 
 int FN(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,
@@ -110,3 +111,10 @@ int FN(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *bl
     }
     return status;
 }
+
+#undef T
+#undef DOTS
+#undef AXPY
+#undef LOAD
+#undef STORE
+#undef FN
