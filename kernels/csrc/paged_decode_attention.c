@@ -7,13 +7,21 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define KVRELAY_AVX2 1 /* AVX2 without AVX-512 (e.g. AMD Zen 2/3): 8-lane forms below */
+#endif
 
-/* Blocks ahead of the one being read whose rows are prefetched: 1 and 4 read slower
- * (benchmarks/decode_attention.py). */
+/* Blocks ahead of the one being read whose rows are prefetched (benchmarks/decode_attention.py):
+ * on an AVX-512 Intel machine 2 read fastest, 1 and 4 slower; on an AVX2 AMD EPYC 2 was ~8%
+ * slower than 4, and 4 equal to no prefetch at all. */
+#if defined(__AVX512F__)
 #define PREFETCH_AHEAD 2
+#else
+#define PREFETCH_AHEAD 4
+#endif
 
 /* Prefetch into L2 a block's rows for one task: row_bytes at each of block_size tokens. */
 #define PREFETCH_ROWS(ptr, block_size, token_stride, row_bytes)                                 \
@@ -65,6 +73,19 @@ GENERIC_DOT(dot_f32_generic, float, f32_load)
 GENERIC_DOT(dot_bf16, uint16_t, bf16_load)
 GENERIC_DOT(dot_f16, _Float16, f16_load)
 
+#if defined(KVRELAY_AVX2)
+/* Eight lanes of q[i] * k[i] + q[i + 8] * k[i + 8], each pair summed in fp32 (one FMA) before
+ * the fp64 sum: half the fp32 -> fp64 conversions, which bound the AVX2 dot product's speed,
+ * for one more fp32 rounding per pair, of the same size as the products' own. */
+#define PAIR_SUM8(q, k) \
+    _mm256_fmadd_ps(_mm256_loadu_ps((q) + 8), _mm256_loadu_ps((k) + 8), _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k)))
+
+static inline double hsum_pd256(__m256d v) {
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+#endif
+
 /* The compiler's fp64 reduction above ends in seven dependent scalar adds per row, which made it
  * the kernel's largest cost; this one keeps two vector sums and reduces them as a tree. */
 static inline double dot_f32(const float *q, const float *k, int64_t D) {
@@ -77,6 +98,16 @@ static inline double dot_f32(const float *q, const float *k, int64_t D) {
             a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1))));
         }
         return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+    }
+#elif defined(KVRELAY_AVX2)
+    if ((D & 15) == 0) {
+        __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+        for (int64_t d = 0; d < D; d += 16) {
+            __m256 p = PAIR_SUM8(q + d, k + d);
+            a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(p)));
+            a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)));
+        }
+        return hsum_pd256(_mm256_add_pd(a0, a1));
     }
 #endif
     return dot_f32_generic(q, k, D);
@@ -110,11 +141,33 @@ static inline void dots_f32_regs(float *out, const float *q, const float *k, int
 }
 #endif
 
+#if defined(KVRELAY_AVX2)
+/* D = 64: q stays in 8 registers. Larger head dims reload q from L1 (dot_f32), since AVX2 has
+ * only 16 vector registers. */
+static inline void dots_f32_avx2_d64(float *out, const float *q, const float *k, int64_t n, int64_t k_stride,
+                                     float scale) {
+    __m256 qv[8];
+    for (int c = 0; c < 8; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);
+    for (int64_t t = 0; t < n; t++) {
+        const float *kt = k + t * k_stride;
+        __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+        for (int c = 0; c < 8; c += 2) { /* as PAIR_SUM8, with q in registers */
+            __m256 p = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(kt + 8 * c + 8), _mm256_mul_ps(qv[c], _mm256_loadu_ps(kt + 8 * c)));
+            a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(p)));
+            a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)));
+        }
+        out[t] = (float)hsum_pd256(_mm256_add_pd(a0, a1)) * scale;
+    }
+}
+#endif
+
 static inline void dots_f32(float *out, const float *q, const float *k, int64_t n, int64_t k_stride, int64_t D,
                             float scale) {
 #if defined(__AVX512F__)
     if (D == 64) return dots_f32_regs(out, q, k, n, k_stride, scale, 4);
     if (D == 128) return dots_f32_regs(out, q, k, n, k_stride, scale, 8);
+#elif defined(KVRELAY_AVX2)
+    if (D == 64) return dots_f32_avx2_d64(out, q, k, n, k_stride, scale);
 #endif
     dots_f32_generic(out, q, k, n, k_stride, D, scale);
 }
@@ -146,10 +199,31 @@ static inline void axpy_f32_regs(float *acc, const float *p, const float *v, int
 }
 #endif
 
+#if defined(KVRELAY_AVX2)
+/* acc[0:64] += sum of p[t] * v[t][0:64], with acc in 8 registers; D = 64 * nh runs as nh slices
+ * of 64 (inlined with nh constant). */
+static inline void axpy_f32_avx2(float *acc, const float *p, const float *v, int64_t n, int64_t v_stride,
+                                 const int nh) {
+    for (int h = 0; h < nh; h++) {
+        __m256 a[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + 64 * h + 8 * c);
+        for (int64_t t = 0; t < n; t++) {
+            const __m256 pt = _mm256_set1_ps(p[t]);
+            const float *vt = v + t * v_stride + 64 * h;
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * c), a[c]);
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + 64 * h + 8 * c, a[c]);
+    }
+}
+#endif
+
 static inline void axpy_f32(float *acc, const float *p, const float *v, int64_t n, int64_t v_stride, int64_t D) {
 #if defined(__AVX512F__)
     if (D == 64) return axpy_f32_regs(acc, p, v, n, v_stride, 4);
     if (D == 128) return axpy_f32_regs(acc, p, v, n, v_stride, 8);
+#elif defined(KVRELAY_AVX2)
+    if (D == 64) return axpy_f32_avx2(acc, p, v, n, v_stride, 1);
+    if (D == 128) return axpy_f32_avx2(acc, p, v, n, v_stride, 2);
 #endif
     axpy_f32_generic(acc, p, v, n, v_stride, D);
 }
