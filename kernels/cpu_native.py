@@ -26,11 +26,12 @@ import tempfile
 from pathlib import Path
 
 import torch
+from kvrelay.kernels.reference import PackedWeight
 
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode_attention.c", "elementwise.c")
+SOURCES = ("paged_decode_attention.c", "elementwise.c", "linear.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared") + (
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()  # gcc picks 256 bits
 )
@@ -46,6 +47,8 @@ _ARGTYPES = {
     "add_rms_norm_f32": [_P] * 5 + [_I] * 4 + [_F, _N],
     "rotary_f32": [_P] * 4 + [_I] * 5 + [_N],
     "write_kv_rows": [_P] * 5 + [_I] * 5,
+    "packed_linear_f32": [_P] + [_I] * 3 + [_P, _I, _P, _P, _N],
+    "packed_linear_f32_available": [],
 }
 
 
@@ -140,7 +143,8 @@ def _load() -> ctypes.CDLL | str:
     for name, argtypes in _ARGTYPES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = None if name.startswith("add_rms_norm") else ctypes.c_int
+        fn.restype = None if name.startswith(("add_rms_norm", "packed_linear_f32")) else ctypes.c_int
+    lib.packed_linear_f32_available.restype = ctypes.c_int
     return lib
 
 
@@ -289,3 +293,29 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     )
     if status != 0:
         raise IndexError(f"a slot lies past the KV cache's {num_slots} slots")
+
+
+# ---- linear over packed weights (fp32) --------------------------------------------------------
+
+
+def packed_linear_available() -> bool:
+    """Whether this build has the packed fp32 linear kernel (AVX2 machines without AVX-512)."""
+    return unavailable_reason() is None and bool(library().packed_linear_f32_available())
+
+
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """kvrelay.kernels.reference.packed_linear for fp32 CPU x [..., K]; bias fp32 [N] or None."""
+    k = packed.data.shape[1]
+    if x.shape[-1] != k:
+        raise ValueError(f"linear input has {x.shape[-1]} features, the weight expects {k}")
+    rows = _as_rows(x)
+    if rows is None:
+        rows = x.reshape(-1, k).contiguous()
+    n = packed.out_features
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    if rows.shape[0]:
+        library().packed_linear_f32(
+            rows.data_ptr(), rows.shape[0], k, rows.stride(0), packed.data.data_ptr(), n,
+            bias.data_ptr() if bias is not None else None, out.data_ptr(), torch.get_num_threads(),
+        )
+    return out.view(*x.shape[:-1], n)

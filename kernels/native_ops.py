@@ -1,5 +1,5 @@
-"""The CPU kernel set: the torch references, with decode attention, RMSNorm, rotary embedding and
-the KV write from the native C kernels (kvrelay.kernels.cpu_native) for the dtypes and layouts
+"""The CPU kernel set: the torch references, with decode attention, RMSNorm, rotary embedding,
+the KV write and (on AVX2 machines) linear layers over packed weights from the native C kernels (kvrelay.kernels.cpu_native) for the dtypes and layouts
 they support (decode attention and KV write: fp32/bf16/fp16; the rest: fp32). SiLU-and-mul stays
 torch: its vectorised exp beat a C loop over glibc's scalar expf 3x."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from kvrelay.kernels import cpu_native, reference
 from kvrelay.kernels.reference import (
+    PackedWeight,
     gather_blocks,
     int8_matmul,
     paged_prefill_attention,
@@ -20,8 +21,10 @@ __all__ = [
     "fused_add_rms_norm",
     "gather_blocks",
     "int8_matmul",
+    "packed_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "prepack_linear",
     "quantize_int8",
     "rms_norm",
     "rotary_embedding",
@@ -76,3 +79,16 @@ def write_kv(
     if cpu_native.supports_write_kv(key, value, k_cache, v_cache, slot_mapping):
         return cpu_native.write_kv(key, value, k_cache, v_cache, slot_mapping)
     return reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def prepack_linear(weight: torch.Tensor) -> PackedWeight | None:
+    """fp32 CPU weights packed for the native kernel where this machine has it (see csrc/linear.c)."""
+    fits = weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    return reference.pack_linear_weight(weight) if fits and cpu_native.packed_linear_available() else None
+
+
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    native = packed.data.device.type == "cpu" and packed.data.dtype == x.dtype == torch.float32
+    if native and (bias is None or bias.dtype == torch.float32) and cpu_native.packed_linear_available():
+        return cpu_native.packed_linear(x, packed, None if bias is None else bias.contiguous())
+    return reference.packed_linear(x, packed, bias)

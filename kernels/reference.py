@@ -12,6 +12,8 @@ Shapes and layout, shared with the Triton kernels (same signatures):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -234,3 +236,39 @@ def int8_matmul(
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+PACK_PANEL = 16  # output features per panel of a PackedWeight
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear weight [N, K] laid out for the native packed linear kernel: data[ceil(N / 16), K, 16],
+    panel j holding output features 16j .. 16j+15 (zeros past N), so each k's 16 weights are adjacent."""
+
+    data: torch.Tensor
+    out_features: int
+
+
+def pack_linear_weight(weight: torch.Tensor) -> PackedWeight:
+    n, k = weight.shape
+    panels = -(-n // PACK_PANEL)
+    padded = torch.zeros(panels * PACK_PANEL, k, dtype=weight.dtype, device=weight.device)
+    padded[:n] = weight
+    return PackedWeight(padded.view(panels, PACK_PANEL, k).transpose(1, 2).contiguous(), n)
+
+
+def unpack_linear_weight(packed: PackedWeight) -> torch.Tensor:
+    data = packed.data
+    return data.transpose(1, 2).reshape(-1, data.shape[1])[: packed.out_features]
+
+
+def prepack_linear(weight: torch.Tensor) -> PackedWeight | None:
+    """The weight packed for this backend's packed_linear, or None: keep it as it is (torch and
+    Triton use it as loaded)."""
+    return None
+
+
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x[..., K] @ weight.T (+ bias), the weight given packed."""
+    return F.linear(x, unpack_linear_weight(packed), bias)

@@ -3,8 +3,9 @@
 `get_ops("auto" | "torch" | "native" | "triton")` returns a KernelOps whose functions share the
 signatures documented in kvrelay.kernels.reference:
 - "torch": the plain torch references, everywhere.
-- "native": the references, with decode attention, norms, rotary and KV write from C kernels
-  compiled on first use (kvrelay.kernels.native_ops); CPU only.
+- "native": the references, with decode attention, norms, rotary, KV write and (AVX2 machines)
+  linear layers over packed weights from C kernels compiled on first use
+  (kvrelay.kernels.native_ops); CPU only.
 - "triton": Triton kernels on CUDA.
 - "auto": triton with CUDA; else native when it builds here, torch (with a warning) when not.
 
@@ -39,6 +40,8 @@ OP_NAMES = (
     "scatter_blocks",
     "quantize_int8",
     "int8_matmul",
+    "prepack_linear",
+    "packed_linear",
 )
 
 
@@ -56,6 +59,8 @@ class KernelOps:
     scatter_blocks: Callable
     quantize_int8: Callable
     int8_matmul: Callable
+    prepack_linear: Callable
+    packed_linear: Callable
 
 
 def _from_module(backend: str, module: types.ModuleType) -> KernelOps:

@@ -4,6 +4,8 @@ Importing this module imports triton and compiles nothing; kernels compile on fi
 shape class and dtype.
 """
 
+# Weights stay as loaded on GPU (cuBLAS): prepack_linear returns None, so packed_linear is unused.
+from kvrelay.kernels.reference import packed_linear, prepack_linear
 from kvrelay.kernels.triton_activation import silu_and_mul
 from kvrelay.kernels.triton_decode_attention import paged_decode_attention
 from kvrelay.kernels.triton_int8 import int8_matmul, quantize_int8
@@ -16,8 +18,10 @@ __all__ = [
     "fused_add_rms_norm",
     "gather_blocks",
     "int8_matmul",
+    "packed_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "prepack_linear",
     "quantize_int8",
     "rms_norm",
     "rotary_embedding",

@@ -25,7 +25,7 @@ from kvrelay.engine.sampling_params import SamplingParams, defaults_from_generat
 from kvrelay.engine.scheduler import Scheduler, SchedulerConfig
 from kvrelay.engine.sequence import Sequence, Status
 from kvrelay.engine.tokenizer import Tokenizer
-from kvrelay.engine.weights import assemble, dummy_tensors, quantize_linears, read_tensors
+from kvrelay.engine.weights import assemble, dummy_tensors, pack_linears, quantize_linears, read_tensors
 from kvrelay.kernels.registry import cpu_backend, get_ops
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class LLMEngine:
             quantize_linears(weights, self.ops.quantize_int8)
         elif args.quantization is not None:
             raise ValueError(f"quantization must be None or 'int8', got {args.quantization!r}")
+        pack_linears(weights, self.ops.prepack_linear)
         self.model = DecoderModel(self.config, weights, self.ops, self.max_model_len)
 
         cfg = self.config

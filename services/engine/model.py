@@ -41,6 +41,8 @@ class DecoderModel:
     def _linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.scale is not None:
             return self.ops.int8_matmul(x, lin.weight, lin.scale, lin.bias)
+        if lin.packed is not None:
+            return self.ops.packed_linear(x, lin.packed, lin.bias)
         return F.linear(x, lin.weight, lin.bias)
 
     @torch.inference_mode()
@@ -94,4 +96,6 @@ class DecoderModel:
         hidden = hidden.index_select(0, batch.logits_indices)
         residual = residual.index_select(0, batch.logits_indices)
         x, _ = ops.fused_add_rms_norm(hidden, residual, self.w.norm, cfg.rms_norm_eps)
+        if self.w.lm_head_packed is not None:
+            return self.ops.packed_linear(x, self.w.lm_head_packed).float()
         return F.linear(x, self.w.lm_head).float()

@@ -11,16 +11,20 @@ from pathlib import Path
 import torch
 from kvrelay.engine.errors import ModelLoadError
 from kvrelay.engine.model_config import ModelConfig
+from kvrelay.kernels.reference import PackedWeight
 from safetensors import safe_open
 
 
 @dataclass
 class Linear:
-    """A linear layer's weight [out, in] and optional bias; int8 weights carry per-row scales."""
+    """A linear layer's weight [out, in] and optional bias; int8 weights carry per-row scales.
+    Where the kernels pack weights (kvrelay.kernels.native_ops.prepack_linear), packed replaces
+    weight, which is then None."""
 
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     bias: torch.Tensor | None = None
     scale: torch.Tensor | None = None  # set when weight is int8
+    packed: PackedWeight | None = None
 
 
 @dataclass
@@ -40,7 +44,8 @@ class ModelWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor  # the embedding itself when tied
+    lm_head: torch.Tensor | None  # the embedding itself when tied; None once packed (untied)
+    lm_head_packed: PackedWeight | None = None
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -183,3 +188,16 @@ def quantize_linears(weights: ModelWeights, quantize_int8) -> None:
     for layer in weights.layers:
         for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
             lin.weight, lin.scale = quantize_int8(lin.weight)
+
+
+def pack_linears(weights: ModelWeights, prepack_linear) -> None:
+    """Give every fp32 projection and the LM head the kernels' packed layout where they have one
+    (prepack_linear returns None where not), dropping the unpacked copy. A tied LM head is packed
+    as a copy: the embedding stays for lookups."""
+    for layer in weights.layers:
+        for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            if lin.scale is None and (packed := prepack_linear(lin.weight)) is not None:
+                lin.weight, lin.packed = None, packed
+    if (packed := prepack_linear(weights.lm_head)) is not None:
+        tied = weights.lm_head is weights.embed
+        weights.lm_head_packed, weights.lm_head = packed, weights.lm_head if tied else None
