@@ -46,36 +46,39 @@ def main() -> None:
           f"fp32, {args.threads} threads")
     print(f"{'rows':>5} | {'layers: torch':>14} {'native':>9} {'speed':>6} | {'LM head: torch':>15} {'native':>9} {'speed':>6}")
     for rows in map(int, args.rows.split(",")):
-        xs = {k: torch.randn(rows, k) for k in (HIDDEN, MLP)}
+        compare(rows, layers, packed, lm_head, lm_packed)
 
-        def torch_layers():
-            for layer in layers:
-                for w in layer:
-                    F.linear(xs[w.shape[1]], w)
 
-        def native_layers():
-            for layer in packed:
-                for p in layer:
-                    native_ops.packed_linear(xs[p.data.shape[1]], p)
+def compare(rows: int, layers, packed, lm_head, lm_packed) -> None:
+    xs = {k: torch.randn(rows, k) for k in (HIDDEN, MLP)}
 
-        runs = {name: [] for name in ("tl", "nl", "th", "nh")}
-        for i in range(9):  # the first two rounds warm up
-            got = {"tl": timed(torch_layers), "nl": timed(native_layers),
-                   "th": timed(lambda: F.linear(xs[HIDDEN], lm_head)),
-                   "nh": timed(lambda: native_ops.packed_linear(xs[HIDDEN], lm_packed))}
-            if i >= 2:
-                for name, s in got.items():
-                    runs[name].append(s)
-        med = {name: statistics.median(v) for name, v in runs.items()}
-        layer_flop = 2 * rows * LAYERS * sum(n * k for n, k in SHAPES)
-        head_flop = 2 * rows * VOCAB * HIDDEN
+    def torch_layers():
+        for layer in layers:
+            for w in layer:
+                F.linear(xs[w.shape[1]], w)
 
-        def cell(s: float, flop: int) -> str:
-            return f"{s * 1e3:6.2f} ms ({flop / s / 1e9:4.0f} GF)"
+    def native_layers():
+        for layer in packed:
+            for p in layer:
+                native_ops.packed_linear(xs[p.data.shape[1]], p)
 
-        print(f"{rows:>5} | {cell(med['tl'], layer_flop)} {cell(med['nl'], layer_flop)} {med['tl'] / med['nl']:5.2f}x | "
-              f"{cell(med['th'], head_flop)} {cell(med['nh'], head_flop)} {med['th'] / med['nh']:5.2f}x")
+    runs = {name: [] for name in ("tl", "nl", "th", "nh")}
+    for i in range(9):  # the first two rounds warm up
+        got = {"tl": timed(torch_layers), "nl": timed(native_layers),
+               "th": timed(lambda: F.linear(xs[HIDDEN], lm_head)),
+               "nh": timed(lambda: native_ops.packed_linear(xs[HIDDEN], lm_packed))}
+        if i >= 2:
+            for name, s in got.items():
+                runs[name].append(s)
+    med = {name: statistics.median(v) for name, v in runs.items()}
+    layer_flop = 2 * rows * LAYERS * sum(n * k for n, k in SHAPES)
+    head_flop = 2 * rows * VOCAB * HIDDEN
 
+    def cell(s: float, flop: int) -> str:
+        return f"{s * 1e3:6.2f} ms ({flop / s / 1e9:4.0f} GF)"
+
+    print(f"{rows:>5} | {cell(med['tl'], layer_flop)} {cell(med['nl'], layer_flop)} {med['tl'] / med['nl']:5.2f}x | "
+          f"{cell(med['th'], head_flop)} {cell(med['nh'], head_flop)} {med['th'] / med['nh']:5.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import secrets
 import time
 from pathlib import Path
@@ -197,7 +198,7 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 detok=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens),
                 metrics=RequestMetrics(arrival_time=now),
-                generator=None if params.greedy else torch.Generator().manual_seed(seed),
+                rng=None if params.greedy else random.Random(seed),
                 wait_for=seqs[0] if seqs else None,
                 hold_blocks=hold_blocks,
                 # ignore_eos drops EOS only; explicit stop_token_ids still apply.
@@ -391,14 +392,14 @@ class LLMEngine:
     def activate(self, request_id: str, first_token: int, first_logprob=None) -> RequestOutput:
         """Decode side: the reserved blocks now hold the prompt's K/V; continue after first_token.
 
-        The prefill worker sampled first_token with the same seed, so this sequence's generator
+        The prefill worker sampled first_token with the same seed, so this sequence's random stream
         is advanced past that draw and later tokens match a single-process run.
         """
         (seq,) = self.requests[request_id]
         if seq.status is not Status.RESERVED:
             raise InvalidRequestError(f"request {request_id!r} is not reserved", field="request_id")
-        if seq.generator is not None:
-            torch.empty(self.config.vocab_size).exponential_(generator=seq.generator)
+        if seq.rng is not None:
+            seq.rng.random()
         seq.num_computed = seq.prompt_len
         seq.first_admitted = True
         self.scheduler.register_full_blocks(seq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,7 @@ class Sequence:
     max_tokens: int  # resolved: never runs past the context
     detok: IncrementalDetokenizer
     metrics: RequestMetrics
-    generator: torch.Generator | None = None
+    rng: random.Random | None = None  # sampled (not greedy) sequences: one uniform per token
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 from helpers import PROMPTS, make_engine, run_engine
-from kvrelay.engine.sampler import sample
+from kvrelay.engine.sampler import _draw, sample
 from kvrelay.engine.sampling_params import SamplingParams
 
 from kvrelay.models import BUNDLED_MODEL
@@ -182,3 +184,20 @@ def test_greedy_takes_the_first_of_tied_maxima():
     logits[2, [2, 3]] = float("inf")
     tokens, _ = sample(logits, [seq, seq, seq])
     assert tokens == [7, vocab - 1, 2]
+
+
+def test_draws_follow_the_distribution_and_skip_filtered_tokens():
+    # Inverse-CDF draws: frequencies match the probabilities; zero-probability tokens (as top-k and
+    # top-p leave them) never come out, even for uniforms at the very ends of [0, 1).
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]])
+    rng = random.Random(0)
+    n = 20000
+    counts = torch.zeros(6)
+    for u in (rng.random() for _ in range(n)):
+        counts[_draw(probs, [u])[0]] += 1
+    assert counts[[0, 2, 5]].sum() == 0
+    assert torch.allclose(counts / n, probs[0], atol=0.015)
+    edges = _draw(probs.expand(3, 6), [0.0, 0.5, 1.0 - 2**-53])
+    assert edges.tolist() == [1, 3, 4]
+    unnormalised = torch.tensor([[0.0, 2.0, 0.0, 0.0]])  # rounding can leave u * total at total
+    assert _draw(unnormalised, [1.0]).tolist() == [1]

@@ -256,6 +256,10 @@ t.start(); t.join()
 x = torch.randn(4096, 64)
 t = threading.Thread(target=lambda: cpu_native.add_rms_norm(x, None, torch.ones(64), 1e-6))
 t.start(); t.join()
+import time
+deadline = time.monotonic() + 5  # a joined thread's OS task can linger a moment under load
+while len(os.listdir('/proc/self/task')) > before and time.monotonic() < deadline:
+    time.sleep(0.01)
 print(len(os.listdir('/proc/self/task')) - before)
 """
     out = _python(code, OMP_NUM_THREADS="2")
