@@ -19,6 +19,7 @@ class IncrementalDetokenizer:
     ):
         self.tokenizer = tokenizer
         self.skip_special = skip_special
+        self._decode = tokenizer.decoder(skip_special)
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -28,9 +29,6 @@ class IncrementalDetokenizer:
         self.text = ""  # all text decoded so far (truncated at a stop string)
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def add_token(self, token_id: int) -> str | None:
         """Feed one token; returns the stop string if the text now contains one."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import jinja2
@@ -74,6 +76,10 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decoder(self, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+        """decode with the flag bound, for per-token callers (no Python frames in between)."""
+        return functools.partial(self._tk.decode, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(token_id)
