@@ -270,13 +270,16 @@ class LLMEngine:
             seq, n = seqs[i], num_new[i]
             start = seq.num_computed
             table = seq.block_table
-            ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
+            if n == 1:  # most rows: no slices, ranges or generators
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
                 dec_tables.append(table)
                 dec_lens.append(start + 1)
             else:
+                ids.extend(seq.token_ids[start : start + n])
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
                 pre_tables.append(table)
                 pre_lens.append(start + n)
                 pre_starts.append(pre_starts[-1] + n)
@@ -291,10 +294,11 @@ class LLMEngine:
             )
 
         dev = self.device
+        token_rows = torch.tensor([ids, positions, slots], dtype=torch.int64, device=dev)  # one call, not three
         batch = StepBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            input_ids=token_rows[0],
+            positions=token_rows[1],
+            slot_mapping=token_rows[2],
             num_decode=len(dec_lens),
             decode_block_tables=table_tensor(dec_tables).to(dev),
             decode_seq_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev),
