@@ -1,7 +1,8 @@
 """The CPU kernel set: the torch references, with decode attention, RMSNorm, rotary embedding,
-the KV write and (on AVX2 machines) linear layers over packed weights from the native C kernels (kvrelay.kernels.cpu_native) for the dtypes and layouts
-they support (decode attention and KV write: fp32/bf16/fp16; the rest: fp32). SiLU-and-mul stays
-torch: its vectorised exp beat a C loop over glibc's scalar expf 3x."""
+the KV write and (on AVX2 machines) linear layers over packed weights from the native C kernels
+(kvrelay.kernels.cpu_native) for the dtypes and layouts they support (decode attention and KV
+write: fp32/bf16/fp16; the rest: fp32). SiLU-and-mul stays torch: its vectorised exp beat a C
+loop over glibc's scalar expf 3x."""
 
 from __future__ import annotations
 

@@ -15,12 +15,12 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
     p = seq.params
     vocab = row.shape[0]
     if p.repetition_penalty != 1.0:
-        seen = torch.unique(torch.tensor(seq.token_ids, dtype=torch.int64))
+        seen = torch.unique(torch.tensor(seq.token_ids, dtype=torch.int64, device=row.device))
         seen = seen[seen < vocab]
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and seq.num_generated:
-        counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.int64), minlength=vocab)[
+        counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.int64, device=row.device), minlength=vocab)[
             :vocab
         ].float()
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
@@ -28,20 +28,20 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
 
 def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """Mask tokens outside top-k / top-p / min-p with -inf, row-wise. logits [R, V] (tempered)."""
-    vocab = logits.shape[1]
+    vocab, dev = logits.shape[1], logits.device
     if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
-        remove = torch.arange(vocab)[None, :] >= ks[:, None]
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+        remove = torch.arange(vocab, device=dev)[None, :] >= ks[:, None]
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
         mass_before = probs.cumsum(dim=-1) - probs
-        remove |= mass_before >= torch.tensor(top_p)[:, None]
+        remove |= mass_before >= torch.tensor(top_p, device=dev)[:, None]
         remove[:, 0] = False
         logits = logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
     if any(m > 0 for m in min_p):
         probs = logits.softmax(dim=-1)
-        threshold = torch.tensor(min_p)[:, None] * probs.max(dim=-1, keepdim=True).values
+        threshold = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
@@ -54,7 +54,7 @@ def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     cumsum accumulates fp32 in fp64, so the CDF carries one fp32 rounding per entry. Tokens of
     probability 0 (filtered) never win: the CDF does not rise at them."""
     cdf = probs.cumsum(dim=-1)
-    targets = torch.tensor(uniforms, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
+    targets = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
     picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
     past_end = picked >= probs.shape[1]  # u * total rounded up to total: take the last token with p > 0
     if bool(past_end.any()):
@@ -88,11 +88,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]
     # max().indices: argmax (first of ties too), 3x faster on CPU rows of 32k
     tokens = None if everyone else logits.max(dim=-1).indices
     if sampled:
-        index = None if everyone else torch.tensor(sampled)
+        index = None if everyone else torch.tensor(sampled, device=logits.device)
         rows = logits if index is None else logits.index_select(0, index)
         temps = [seqs[i].params.temperature for i in sampled]
         same = all(t == temps[0] for t in temps)
-        rows = rows / (temps[0] if same else torch.tensor(temps)[:, None])  # the same fp32 division
+        rows = rows / (temps[0] if same else torch.tensor(temps, device=logits.device)[:, None])  # the same fp32 division
         rows = _filter(
             rows,
             [seqs[i].params.top_k for i in sampled],
