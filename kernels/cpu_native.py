@@ -308,10 +308,12 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     k = packed.data.shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"linear input has {x.shape[-1]} features, the weight expects {k}")
+    n = packed.out_features
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"linear bias has shape {tuple(bias.shape)}, the weight expects ({n},)")
     rows = _as_rows(x)
     if rows is None:
         rows = x.reshape(-1, k).contiguous()
-    n = packed.out_features
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     if rows.shape[0]:
         library().packed_linear_f32(

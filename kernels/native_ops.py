@@ -89,7 +89,8 @@ def prepack_linear(weight: torch.Tensor) -> PackedWeight | None:
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    native = packed.data.device.type == "cpu" and packed.data.dtype == x.dtype == torch.float32
+    data = packed.data
+    native = data.device.type == "cpu" and data.dtype == x.dtype == torch.float32 and data.is_contiguous()
     if native and (bias is None or bias.dtype == torch.float32) and cpu_native.packed_linear_available():
         return cpu_native.packed_linear(x, packed, None if bias is None else bias.contiguous())
     return reference.packed_linear(x, packed, bias)

@@ -64,6 +64,8 @@ def test_native_takes_strided_and_batched_inputs():
     assert native_ops.packed_linear(torch.empty(0, 32), packed).shape == (0, 24)
     with pytest.raises(ValueError, match="33 features, the weight expects 32"):
         native_ops.packed_linear(torch.randn(2, 33), packed)
+    with pytest.raises(ValueError, match=r"bias has shape \(23,\), the weight expects \(24,\)"):
+        native_ops.packed_linear(torch.randn(2, 32), packed, torch.zeros(23))
 
 
 @needs_kernel
