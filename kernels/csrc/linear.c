@@ -22,7 +22,6 @@
  */
 
 #include <stdint.h>
-#include <string.h>
 
 #define PANEL 16 /* output columns per packed panel */
 

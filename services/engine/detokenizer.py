@@ -17,8 +17,6 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special: bool = True
     ):
-        self.tokenizer = tokenizer
-        self.skip_special = skip_special
         self._decode = tokenizer.decoder(skip_special)
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
