@@ -50,6 +50,7 @@ _ARGTYPES = {
     "packed_linear_f32": [_P] + [_I] * 3 + [_P, _I, _P, _P, _N],
     "packed_linear_f32_available": [],
 }
+_RETURN_NOTHING = {"add_rms_norm_f32", "packed_linear_f32"}  # the rest return a status or a flag
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -143,8 +144,7 @@ def _load() -> ctypes.CDLL | str:
     for name, argtypes in _ARGTYPES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = None if name.startswith(("add_rms_norm", "packed_linear_f32")) else ctypes.c_int
-    lib.packed_linear_f32_available.restype = ctypes.c_int
+        fn.restype = None if name in _RETURN_NOTHING else ctypes.c_int
     return lib
 
 

@@ -33,7 +33,7 @@
     } while (0)
 
 /* glibc's libmvec has vector expf (within 4 ulp), which math.h declares only under -ffast-math;
- * the softmax loop calls it 16 lanes at a time (kvrelay.kernels.cpu_native links it on x86-64). */
+ * the softmax loop calls it a vector at a time (kvrelay.kernels.cpu_native links it on x86-64). */
 #if defined(__x86_64__) && defined(__GLIBC__)
 #pragma omp declare simd notinbranch
 float expf(float);
@@ -141,34 +141,12 @@ static inline void dots_f32_regs(float *out, const float *q, const float *k, int
 }
 #endif
 
-#if defined(KVRELAY_AVX2)
-/* D = 64: q stays in 8 registers. Larger head dims reload q from L1 (dot_f32), since AVX2 has
- * only 16 vector registers. */
-static inline void dots_f32_avx2_d64(float *out, const float *q, const float *k, int64_t n, int64_t k_stride,
-                                     float scale) {
-    __m256 qv[8];
-    for (int c = 0; c < 8; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);
-    for (int64_t t = 0; t < n; t++) {
-        const float *kt = k + t * k_stride;
-        __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
-        for (int c = 0; c < 8; c += 2) { /* as PAIR_SUM8, with q in registers */
-            __m256 p = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(kt + 8 * c + 8), _mm256_mul_ps(qv[c], _mm256_loadu_ps(kt + 8 * c)));
-            a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(p)));
-            a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)));
-        }
-        out[t] = (float)hsum_pd256(_mm256_add_pd(a0, a1)) * scale;
-    }
-}
-#endif
-
 static inline void dots_f32(float *out, const float *q, const float *k, int64_t n, int64_t k_stride, int64_t D,
                             float scale) {
 #if defined(__AVX512F__)
     if (D == 64) return dots_f32_regs(out, q, k, n, k_stride, scale, 4);
     if (D == 128) return dots_f32_regs(out, q, k, n, k_stride, scale, 8);
-#elif defined(KVRELAY_AVX2)
-    if (D == 64) return dots_f32_avx2_d64(out, q, k, n, k_stride, scale);
-#endif
+#endif /* off AVX-512 the K pass asks for one token at a time: dot_f32's loop, q from L1 */
     dots_f32_generic(out, q, k, n, k_stride, D, scale);
 }
 

@@ -15,8 +15,8 @@
  * The K pass and then the V pass walk the blocks; each block first prefetches (into L2) the task's
  * rows of the block PREFETCH_AHEAD later, across the K -> V boundary. Blocks lie anywhere
  * in the pool, so the hardware prefetcher, which stops at 4 KiB pages, cannot run ahead of the
- * arithmetic on its own: with this, the kernel reads at ~22 GB/s instead of ~17 on 2 cores
- * (benchmarks/decode_attention.py).
+ * arithmetic on its own: with this, the kernel read at ~22 GB/s instead of ~17 on the 2-core
+ * AVX-512 machine (benchmarks/decode_attention.py; on the AVX2 EPYC, 4 ahead matched no prefetch).
  */
 
 int FN(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,
