@@ -4,6 +4,10 @@ Text is emitted as the difference between decoding a short window of tokens with
 without the newest ones, so it never ends inside a UTF-8 character split over byte-fallback
 tokens, and leading-space rules of the decoder apply exactly as in a full decode.
 Text that could be the start of a stop string is held back until it is known not to be one.
+
+Most tokens skip both decodes: when no bytes are pending and the window already shows text,
+a token from the tokenizer's PieceTable adds its known text, and the window moves exactly as a
+full decode would have moved it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ class IncrementalDetokenizer:
         self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special: bool = True
     ):
         self._decode = tokenizer.decoder(skip_special)
+        self._pieces = tokenizer.piece_table(skip_special)
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -30,7 +35,17 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> str | None:
         """Feed one token; returns the stop string if the text now contains one."""
-        self.ids.append(token_id)
+        ids = self.ids
+        # Nothing pending, and the window shows text that does not end in a partial character.
+        if self.read_offset == len(ids) and self.prefix_text and self.prefix_text[-1] != "\ufffd":
+            piece = self._pieces.lookup(token_id)
+            if piece is not None:
+                ids.append(token_id)
+                self.prefix_offset = self.read_offset
+                self.read_offset += 1
+                self.prefix_text = self._pieces.alone[token_id]
+                return self._append(piece)
+        ids.append(token_id)
         new_text = self._decode(self.ids[self.prefix_offset :])
         if len(new_text) <= len(self.prefix_text) or new_text.endswith("\ufffd"):
             return None  # incomplete character, or nothing visible yet
@@ -66,7 +81,7 @@ class IncrementalDetokenizer:
                 self.prefix_text = rest
             end = len(self.text)
         else:
-            end = len(self.text) - self._held_back()
+            end = len(self.text) - (self._held_back() if self.stop else 0)
         out = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return out

@@ -205,6 +205,8 @@ class LLMEngine:
                 stop_ids=frozenset(params.stop_token_ids)
                 | (frozenset() if params.ignore_eos else self.eos_ids),
                 logit_bias=bias,
+                adjusts_logits=params.repetition_penalty != 1.0 or bool(params.presence_penalty)
+                or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0,
             )
             self._next_seq_id += 1
             seqs.append(seq)
@@ -319,9 +321,11 @@ class LLMEngine:
                 seq.metrics.first_scheduled_time = now
         batch, sample_idx = self._build_batch(step.seqs, step.num_new)
         logits = self.model.forward(batch, self.kv_cache)
+        bs = self.args.block_size
         for seq, n in zip(step.seqs, step.num_new):
             seq.num_computed += n
-            self.scheduler.register_full_blocks(seq)
+            if seq.num_computed // bs > seq.num_registered:  # a block filled up: make it findable
+                self.scheduler.register_full_blocks(seq)
         if not sample_idx:
             return []
         to_sample = [step.seqs[i] for i in sample_idx]
@@ -337,13 +341,14 @@ class LLMEngine:
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         reason, stop_reason = None, None
-        if token in seq.stop_ids and seq.num_generated >= seq.params.min_tokens:
+        generated = len(seq.token_ids) - seq.prompt_len
+        if token in seq.stop_ids and generated >= seq.params.min_tokens:
             reason, stop_reason = "stop", (token if token in seq.params.stop_token_ids else None)
         else:
             stop_string = seq.detok.add_token(token)
             if stop_string is not None:
                 reason, stop_reason = "stop", stop_string
-        if reason is None and seq.num_generated >= seq.max_tokens:
+        if reason is None and generated >= seq.max_tokens:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason, stop_reason)

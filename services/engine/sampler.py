@@ -11,7 +11,8 @@ from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sequence import Sequence
 
 
-def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
+def _adjust(row: torch.Tensor, seq: Sequence) -> None:
+    """Penalties, logit bias and the min_tokens ban on stop tokens, on one row of logits in place."""
     p = seq.params
     vocab = row.shape[0]
     if p.repetition_penalty != 1.0:
@@ -24,6 +25,11 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
             :vocab
         ].float()
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    if seq.logit_bias is not None:
+        ids, values = seq.logit_bias
+        row[ids] += values.to(row.dtype)
+    if seq.num_generated < p.min_tokens and seq.stop_ids:
+        row[list(seq.stop_ids)] = float("-inf")
 
 
 def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
@@ -67,38 +73,31 @@ def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
     """logits [S, V] fp32 (modified in place). Returns (token ids, TokenLogprob or None) per row."""
     raw_logprobs = None
-    want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    params = [s.params for s in seqs]
+    want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want_logprobs:
         raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1)
 
     for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            _apply_penalties(logits[i], seq)
-        if seq.logit_bias is not None:
-            ids, values = seq.logit_bias
-            logits[i, ids] += values.to(logits.dtype)
-        if seq.num_generated < p.min_tokens and seq.stop_ids:
-            logits[i, list(seq.stop_ids)] = float("-inf")
+        if seq.adjusts_logits:
+            _adjust(logits[i], seq)
 
-    # Each torch call costs tens of microseconds here, so the common all-greedy and all-sampled
-    # batches skip the row selection and the argmax of the other kind.
-    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    # Each torch call and each pass over the batch in Python costs tens of microseconds here, so
+    # the common all-greedy and all-sampled batches skip the row selection and the argmax of the
+    # other kind, and batches without top-k/top-p/min-p build no filter lists.
+    sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
     everyone = len(sampled) == len(seqs)
     # max().indices: argmax (first of ties too), 3x faster on CPU rows of 32k
     tokens = None if everyone else logits.max(dim=-1).indices
     if sampled:
         index = None if everyone else torch.tensor(sampled, device=logits.device)
         rows = logits if index is None else logits.index_select(0, index)
-        temps = [seqs[i].params.temperature for i in sampled]
-        same = all(t == temps[0] for t in temps)
+        sp = params if everyone else [params[i] for i in sampled]
+        temps = [p.temperature for p in sp]
+        same = temps.count(temps[0]) == len(temps)
         rows = rows / (temps[0] if same else torch.tensor(temps, device=logits.device)[:, None])  # the same fp32 division
-        rows = _filter(
-            rows,
-            [seqs[i].params.top_k for i in sampled],
-            [seqs[i].params.top_p for i in sampled],
-            [seqs[i].params.min_p for i in sampled],
-        )
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in sp):
+            rows = _filter(rows, [p.top_k for p in sp], [p.top_p for p in sp], [p.min_p for p in sp])
         drawn = _draw(rows.softmax(dim=-1), [seqs[i].rng.random() for i in sampled])
         tokens = drawn if index is None else tokens.index_copy_(0, index, drawn)
 

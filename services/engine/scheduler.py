@@ -127,6 +127,10 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             if num_new <= 0:
                 continue
+            if seq.num_computed + num_new <= len(seq.block_table) * self.bs:  # most decodes: room left
+                scheduled[seq] = num_new
+                budget -= num_new
+                continue
             while not self._try_allocate(seq, num_new):
                 victim = max(self.running, key=self._key)
                 budget += self._preempt(victim, scheduled)

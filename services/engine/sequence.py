@@ -50,6 +50,8 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     # params.logit_bias as (token ids, biases) tensors on the engine's device; None when unset.
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Penalties, logit bias or a min_tokens ban apply: the sampler edits this row before sampling.
+    adjusts_logits: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -61,6 +61,7 @@ class Tokenizer:
         self._chat_template = env.from_string(template or FALLBACK_CHAT_TEMPLATE)
         added = self._tk.get_added_tokens_decoder()  # id -> AddedToken
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._piece_tables: dict[bool, PieceTable] = {}
 
     @staticmethod
     def _raise(message: str):
@@ -81,6 +82,13 @@ class Tokenizer:
         """decode with the flag bound, for per-token callers (no Python frames in between)."""
         return functools.partial(self._tk.decode, skip_special_tokens=skip_special_tokens)
 
+    def piece_table(self, skip_special_tokens: bool = True) -> PieceTable:
+        """The shared per-token text table for incremental decoding with this flag (built on first use)."""
+        table = self._piece_tables.get(skip_special_tokens)
+        if table is None:
+            table = self._piece_tables[skip_special_tokens] = PieceTable(self, skip_special_tokens)
+        return table
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(token_id)
 
@@ -97,3 +105,54 @@ class Tokenizer:
             raise InvalidRequestError(
                 f"messages: the chat template cannot render them: {e}", field="messages"
             ) from e
+
+
+class PieceTable:
+    """Per-token text, for tokens whose text does not depend on their neighbours.
+
+    `append[t]` is the text token t adds after other text, `alone[t]` is decode([t]). A token
+    is kept only if it adds the same non-empty text after two different left contexts, leaves
+    that context's text unchanged, and holds no partial UTF-8 character (byte-fallback pieces,
+    byte-level fragments). Decoders that rewrite earlier text therefore never enter the table,
+    and such tokens take the full decode path.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool):
+        self._decode = tokenizer.decoder(skip_special_tokens)
+        self._contexts: list[list[int]] = []  # two left contexts with distinct, clean text
+        seen = set()
+        for text in ("a b", "Hello", "the", "x", "I", "0"):
+            ctx = tokenizer.encode(text, add_special_tokens=False)
+            shown = self._decode(ctx)
+            if shown and "\ufffd" not in shown and shown not in seen and len(self._contexts) < 2:
+                self._contexts.append(ctx)
+                seen.add(shown)
+        self.append: dict[int, str] = {}
+        self.alone: dict[int, str] = {}
+        self._rejected: set[int] = set()
+
+    def lookup(self, token_id: int) -> str | None:
+        """The text token_id adds after other text, or None when only a full decode can tell."""
+        piece = self.append.get(token_id)
+        if piece is not None or token_id in self._rejected:
+            return piece
+        piece = self._learn(token_id)
+        if piece is None:
+            self._rejected.add(token_id)
+        return piece
+
+    def _learn(self, token_id: int) -> str | None:
+        if len(self._contexts) < 2:
+            return None
+        pieces = set()
+        for ctx in self._contexts:
+            before, after = self._decode(ctx), self._decode(ctx + [token_id])
+            if not after.startswith(before):
+                return None
+            pieces.add(after[len(before) :])
+        (piece,) = pieces if len(pieces) == 1 else (None,)
+        if not piece or "\ufffd" in piece:
+            return None
+        self.alone[token_id] = self._decode([token_id])
+        self.append[token_id] = piece
+        return piece
