@@ -9,14 +9,16 @@ thread each) with a dummy ~32M-parameter Llama, and for prompts of 128 to 4096 t
     written) leaves out the gather and the first chunk's trip, so it reads higher; it is printed
     beside it,
   - layer-wise streaming: TTFT with streaming on, and the share of KV bytes sent while the
-    prefill was still computing (overlap).
+    prefill was still computing (overlap),
+  - both data planes: K/V inline on the gRPC stream ("disagg"), and through the decode worker's
+    shared-memory arena ("shm", --kv-shm-bytes: what a prefill and decode pod on one node use).
 The single-process baseline is a decode worker prefilling locally: same process, same client
 path, no hand-off. Configurations run one after another, each with only its own workers alive:
 with all five workers up at once on 2 cores, loopback TCP stalled hand-offs for 80-200 ms
 (nstat: TCPLossProbes, spurious retransmits, a zero-window advert), which is not what separate
 pods see.
 
-    .venv/bin/python benchmarks/disagg.py [--lengths 128,512,1024,2048,4096] [--runs 3]
+    .venv/bin/python benchmarks/disagg.py [--lengths 128,512,1024,2048,4096] [--runs 3] [--only shm]
 """
 
 from __future__ import annotations
@@ -104,10 +106,14 @@ async def one_request(client: DecodeClient, prompt: list[int], params, prefill_a
     return ttft, (n - 1) / decode_s if decode_s > 0 else float("nan")
 
 
-CONFIGS = (  # name, prefill worker flags (None: no prefill worker, the decode worker prefills)
-    ("single process", None),
-    ("disagg, after prefill", ("--stream-min-tokens", "1000000")),
-    ("disagg, layer-streamed", ("--stream-min-tokens", "0", "--layer-group-size", "1")),
+AFTER, STREAMED = ("--stream-min-tokens", "1000000"), ("--stream-min-tokens", "0", "--layer-group-size", "1")
+SHM = ("--kv-shm-bytes", "128MiB")
+CONFIGS = (  # name, prefill worker flags (None: no prefill worker, the decode worker prefills), decode flags
+    ("single process", None, ()),
+    ("disagg, after prefill", AFTER, ()),
+    ("disagg, layer-streamed", STREAMED, ()),
+    ("shm, after prefill", AFTER, SHM),
+    ("shm, layer-streamed", STREAMED, SHM),
 )
 COUNTERS = ("kvrelay:kv_transfer_bytes_total", "kvrelay:kv_transfer_seconds_sum",
             "kvrelay:kv_transfer_overlapped_bytes_total")
@@ -122,10 +128,11 @@ def counters(decode: Worker, prefill: Worker | None) -> tuple[float, ...]:
     return (*(decode.metric(c) for c in COUNTERS), *p)
 
 
-async def run_config(model: Path, flags, cores, prompts: dict[int, list[list[int]]], params) -> dict[int, dict]:
+async def run_config(model: Path, flags, decode_flags, cores, prompts: dict[int, list[list[int]]],
+                     params) -> dict[int, dict]:
     """Start one configuration's workers, warm up, run every prompt, stop them."""
     core_a, core_b = cores
-    decode = Worker("decode", model, core_b if flags else core_a, free_port())
+    decode = Worker("decode", model, core_b if flags else core_a, free_port(), *decode_flags)
     prefill = Worker("prefill", model, core_a, free_port(), *flags) if flags else None
     client = DecodeClient(decode.addr)
     addr = prefill.addr if prefill else None
@@ -154,6 +161,8 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="128,512,1024,2048,4096")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--only", default="", help="comma-separated name parts of the hand-off configurations to run "
+                                                "(e.g. shm); the single process always runs")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     cores = sorted(os.sched_getaffinity(0))
@@ -167,8 +176,10 @@ async def main() -> None:
     results: dict[str, dict[int, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp))
-        for name, flags in CONFIGS:
-            results[name] = await run_config(model, flags, (core_a, core_b), prompts, params)
+        for name, flags, decode_flags in CONFIGS:
+            if args.only and name != "single process" and not any(k in name for k in args.only.split(",")):
+                continue
+            results[name] = await run_config(model, flags, decode_flags, (core_a, core_b), prompts, params)
             for n, r in results[name].items():
                 line = f"  {name:<22} {n:>5} tokens: TTFT {r['ttft'] * 1000:8.1f} ms  decode {r['tps']:6.1f} tok/s"
                 if r["bytes"]:
@@ -179,18 +190,21 @@ async def main() -> None:
                 print(line, flush=True)
     print("\nsummary (medians; TTFT beyond prefill = client TTFT - the prefill worker's own queue+compute time)")
     base = results["single process"]
-    for name in ("disagg, after prefill", "disagg, layer-streamed"):
+    for name in results:
+        if name == "single process":
+            continue
         for n in lengths:
             r = results[name][n]
             speed = "" if r["overlap"] else f", KV {r['gbps']:.2f} GB/s"
             print(f"  {name:<22} {n:>5} tokens: TTFT {r['ttft'] / base[n]['ttft'] - 1:+6.1%} vs single process{speed}, "
                   f"hand-off beyond prefill {r['exposed'] * 1000:.1f} ms ({r['exposed'] / base[n]['ttft']:.1%} of "
                   f"single-process TTFT), sent during compute {r['overlap']:.0%}")
-    after, streamed = results["disagg, after prefill"], results["disagg, layer-streamed"]
-    for n in lengths:
-        if after[n]["exposed"] > 0:
-            print(f"  layer-wise streaming hides {1 - streamed[n]['exposed'] / after[n]['exposed']:.0%} of the "
-                  f"hand-off at {n} tokens")
+    for plane in ("disagg", "shm"):
+        after, streamed = results.get(f"{plane}, after prefill"), results.get(f"{plane}, layer-streamed")
+        for n in lengths if after and streamed else ():
+            if after[n]["exposed"] > 0:
+                print(f"  {plane}: layer-wise streaming hides {1 - streamed[n]['exposed'] / after[n]['exposed']:.0%} "
+                      f"of the hand-off at {n} tokens")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from kvrelay.kvtransfer.errors import (
     WorkerUnavailableError,
 )
 from kvrelay.kvtransfer.layout import ChunkRange
+from kvrelay.kvtransfer.shm import ShmArena
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.transport import GrpcKVTransport, HandoffRequest, KVDestination, KVTransport
 from kvrelay.kvtransfer.worker_base import WorkerBase, WorkerOptions
@@ -55,8 +56,12 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, engine: AsyncEngine, options: WorkerOptions | None = None,
                  transport: KVTransport | None = None):
         super().__init__(engine, options)
+        self.arena = None
+        if transport is None and self.options.kv_shm_bytes:
+            self.arena = ShmArena(self.options.kv_shm_bytes, self.options.kv_shm_dir)
+            self.metrics.track_shm_arena(self.arena)
         self.transport = transport or GrpcKVTransport(self.layout, self.options.max_message_bytes,
-                                                      self.options.handoff_timeout_s)
+                                                      self.options.handoff_timeout_s, self.arena)
         self._requests: dict[str, _Request] = {}
 
     def add_services(self, server: grpc.aio.Server) -> None:
@@ -68,6 +73,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
     async def stop(self, grace_s: float = 1.0) -> None:
         await super().stop(grace_s)
         await self.transport.close()
+        if self.arena is not None:
+            self.arena.close()
 
     # ---- RPCs ---------------------------------------------------------------------------------
 

@@ -75,14 +75,30 @@ def payload_size(data: Payload) -> int:
     return sum(piece.nbytes for piece in data)
 
 
+def payload_arrays(data: Payload) -> list[np.ndarray]:
+    """The payload as uint8 arrays, in order (no copy for pieces or a contiguous CPU tensor)."""
+    if isinstance(data, torch.Tensor):
+        return [data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()]
+    return data
+
+
+def place_chunk(header: kv_pb2.KVChunk, data: Payload, region: np.ndarray, offset: int) -> kv_pb2.PrefillServerMessage:
+    """Shared-memory data plane: copy the payload into region[offset:] and return the chunk
+    message that points there (no inline data; xxh3_64 of the placed bytes)."""
+    size = payload_size(data)
+    dst = region[offset:offset + size]
+    if len(dst) != size:
+        raise ValueError(f"chunk of {size} B does not fit the shared-memory region at {offset}")
+    np.concatenate([a.reshape(-1) for a in payload_arrays(data)], out=dst)
+    header.shm_offset, header.shm_size, header.xxh3_64 = offset, size, checksum(dst)
+    return kv_pb2.PrefillServerMessage(chunk=header)
+
+
 def encode_chunk_message(header: kv_pb2.KVChunk, data: Payload) -> bytes:
     """A PrefillServerMessage(chunk=header with data=the payload's bytes), serialised.
 
     header carries every KVChunk field but data (layout.chunk_header); its xxh3_64 is set here."""
-    if isinstance(data, torch.Tensor):
-        pieces = [data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()]
-    else:
-        pieces = data
+    pieces = payload_arrays(data)
     digest = xxhash.xxh3_64()
     for piece in pieces:
         digest.update(piece)

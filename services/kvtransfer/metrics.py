@@ -7,7 +7,7 @@ are observed by the worker code.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -73,8 +73,17 @@ class WorkerMetrics:
         self.fallbacks = Counter("kvrelay:kv_transfer_fallbacks",
                                  "Requests whose remote prefill failed: retried on another prefill worker "
                                  "(retry) or prefilled locally (local).", ["kind"], registry=r)
+        self.shm_offers = Counter("kvrelay:kv_shm_offers",
+                                  "Prefill side: shared-memory regions offered by decode workers, by whether "
+                                  "this worker could open them (accepted) or sent the K/V inline (unreachable).",
+                                  ["outcome"], registry=r)
         self.failures = Counter("kvrelay:kv_transfer_failures", "Failed hand-offs by reason.", ["reason"],
                                 registry=r)
+
+    def track_shm_arena(self, arena) -> None:
+        """Decode side: free bytes of its shared-memory arena, read at scrape time."""
+        Gauge("kvrelay:kv_shm_free_bytes", "Decode side: free bytes of the shared-memory K/V arena (all of "
+              "it when no hand-off is in flight).", registry=self.registry).set_function(lambda: arena.free_bytes)
 
     def serve(self, port: int, host: str = "0.0.0.0"):
         """Serve /metrics on its own thread; returns the server (call .shutdown())."""

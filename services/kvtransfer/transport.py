@@ -7,6 +7,10 @@ Contract of `pull`: the transport asks the prefill worker to prefill, verifies e
 returns the first token. On any failure or cancellation it tells the prefill worker explicitly
 (abort message, then stream cancel) and raises; it never writes after returning or raising.
 
+With a shared-memory arena (same node, kvrelay.kvtransfer.shm), the decode side offers a
+region of it in PrefillStart; a prefill worker that can open it writes the chunks' bytes there and
+sends only their headers, and everything else above stays as it is.
+
 An RDMA transport (UCX or NIXL) slots in behind the same interface: it would register both
 workers' kv_cache tensors with the NIC, exchange memory descriptors for the held and reserved
 block ids over the same control stream (header and done messages), and replace dest.write with
@@ -39,6 +43,7 @@ from kvrelay.kvtransfer.layout import (
     KVLayout,
     check_layout,
 )
+from kvrelay.kvtransfer.shm import Region, ShmArena
 from kvrelay.v1 import kv_pb2
 
 WriteFn = Callable[[list[tuple[ChunkRange, torch.Tensor]]], Awaitable[None]]
@@ -90,10 +95,11 @@ class GrpcKVTransport(KVTransport):
     """K/V travels inline on PrefillService.Prefill, a stream the decode side opens and reads."""
 
     def __init__(self, layout: KVLayout, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, arena: ShmArena | None = None):
         self.layout = layout
         self.max_message_bytes = max_message_bytes
         self.timeout_s = timeout_s
+        self.arena = arena  # offered to every prefill worker; those on this node write into it
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _prefill_call(self, addr: str) -> grpc.aio.StreamStreamCall:
@@ -138,6 +144,21 @@ class GrpcKVTransport(KVTransport):
             request_id=request.request_id, prompt_token_ids=request.prompt_ids,
             params=params_to_proto(request.params), priority=request.priority,
             expected_layout=self.layout.to_proto(), max_message_bytes=self.max_message_bytes)
+        region = None
+        if self.arena is not None:
+            nbytes = len(dest.block_ids) * self.layout.num_layers * self.layout.bytes_per_block_layer
+            region = self.arena.allocate(nbytes)  # None when the arena is full: inline this time
+        try:
+            if region is not None:
+                start.shm.CopyFrom(kv_pb2.ShmRegion(path=str(self.arena.path), nonce=self.arena.nonce,
+                                                    offset=region.offset, size=region.size))
+            return await self._exchange(call, start, dest, region)
+        finally:
+            if region is not None:
+                self.arena.free(region)  # engine-thread writes already queued only read it
+
+    async def _exchange(self, call, start: kv_pb2.PrefillStart, dest: KVDestination,
+                        region: Region | None) -> HandoffResult:
         await call.write(kv_pb2.PrefillClientMessage(start=start))
         rx = await _read(call)
         if rx.kind() != "header":
@@ -145,9 +166,14 @@ class GrpcKVTransport(KVTransport):
         header = rx.msg.header
         t0 = None  # first chunk received: transfer time excludes waiting for the prefill to start
         check_layout(self.layout, KVLayout.from_proto(header.layout), "hand-off header")
-        if header.num_tokens != len(request.prompt_ids) or header.num_blocks != len(dest.block_ids):
+        num_tokens = len(start.prompt_token_ids)
+        if header.num_tokens != num_tokens or header.num_blocks != len(dest.block_ids):
             raise ChunkError(f"prefill worker describes {header.num_tokens} tokens in {header.num_blocks} blocks; "
-                             f"decode reserved {len(dest.block_ids)} blocks for {len(request.prompt_ids)} tokens")
+                             f"decode reserved {len(dest.block_ids)} blocks for {num_tokens} tokens")
+        if header.shm and region is None:
+            raise ChunkError("prefill worker chose the shared-memory data plane, which this decode worker did "
+                             "not offer")
+        shm = _ShmReader(self.arena, region) if header.shm else None
         verifier = ChunkVerifier(self.layout, header.num_tokens, header.num_blocks)
         writer = _BatchWriter(dest.write)
         try:
@@ -156,7 +182,8 @@ class GrpcKVTransport(KVTransport):
                 kind, msg = rx.kind(), rx.msg
                 if kind == "chunk":
                     t0 = t0 or time.monotonic()
-                    writer.add(*verifier.verify(msg.chunk, rx.payload))
+                    payload = rx.payload if shm is None else shm.payload(msg.chunk)
+                    writer.add(*verifier.verify(msg.chunk, payload))
                 elif kind == "done":
                     await writer.drain()
                     verifier.check_complete()
@@ -176,6 +203,25 @@ class GrpcKVTransport(KVTransport):
                     raise PrefillFailedError(f"unexpected {kind!r} message in the hand-off stream")
         finally:
             await writer.close()
+
+
+class _ShmReader:
+    """Where each chunk's bytes lie in the offered region: back to back from its start, in the
+    order the chunks arrive, so a chunk can never overlap one already verified."""
+
+    def __init__(self, arena: ShmArena, region: Region):
+        self.view = arena.view[region.offset:region.offset + region.size]
+        self.next = 0
+
+    def payload(self, chunk: kv_pb2.KVChunk):
+        if chunk.data:
+            raise ChunkError("KV chunk carries inline data on the shared-memory data plane")
+        if chunk.shm_offset != self.next or chunk.shm_offset + chunk.shm_size > len(self.view):
+            raise ChunkError(f"KV chunk at shared-memory bytes [{chunk.shm_offset}, "
+                             f"{chunk.shm_offset + chunk.shm_size}): expected it to start at {self.next} and "
+                             f"end within the region's {len(self.view)} B")
+        self.next += chunk.shm_size
+        return self.view[chunk.shm_offset:self.next]
 
 
 async def _read(call) -> ServerMessage:

@@ -36,6 +36,10 @@ class WorkerOptions:
     # decode side
     allow_local_prefill: bool = True  # when every prefill worker failed, prefill on the decode worker
     handoff_timeout_s: float = 300.0  # give up one remote prefill after this long
+    # Shared-memory data plane for prefill workers on the same node (kvrelay.kvtransfer.shm):
+    # arena bytes (0: off, K/V always inline on gRPC) and the memory-backed directory holding it.
+    kv_shm_bytes: int = 0
+    kv_shm_dir: str = "/dev/shm"
 
 
 def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -63,6 +67,11 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
                             help="fail requests whose prefill workers all failed instead of prefilling here")
         parser.add_argument("--handoff-timeout", dest="handoff_timeout_s", type=float, default=d.handoff_timeout_s,
                             help="seconds before one remote prefill is abandoned")
+        parser.add_argument("--kv-shm-bytes", type=parse_bytes, default=d.kv_shm_bytes,
+                            help="offer prefill workers on this node a shared-memory arena of this size for "
+                                 "K/V (e.g. 256MiB; 0: off, K/V travels inline on gRPC)")
+        parser.add_argument("--kv-shm-dir", default=d.kv_shm_dir,
+                            help="memory-backed directory both workers mount, holding the arena file")
 
 
 def options_from_cli(args: argparse.Namespace) -> WorkerOptions:

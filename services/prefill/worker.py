@@ -20,6 +20,7 @@ import time
 import uuid
 
 import grpc
+import numpy as np
 import torch
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError
@@ -30,11 +31,13 @@ from kvrelay.kvtransfer.chunk_wire import (
     encode_chunk_message,
     payload_pieces,
     payload_size,
+    place_chunk,
 )
 from kvrelay.kvtransfer.convert import logprob_to_proto, params_from_proto
 from kvrelay.kvtransfer.errors import LayoutMismatchError
 from kvrelay.kvtransfer.layout import ChunkRange, KVLayout, check_layout, chunk_header, plan_chunks
 from kvrelay.kvtransfer.leases import Lease, LeaseTable
+from kvrelay.kvtransfer.shm import ShmOpener
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.worker_base import WorkerBase, WorkerOptions
 from kvrelay.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
@@ -56,6 +59,8 @@ class _Handoff:
     # When K/V first started towards the decode side (monotonic): the first layer-streamed chunk
     # taken for sending, or else the end of the prefill, before the remaining blocks are gathered.
     send_started_at: float | None = None
+    shm: np.ndarray | None = None  # the decode worker's shared-memory region, when this worker can open it
+    shm_next: int = 0  # where the next chunk's bytes go in it
 
 
 class _PipelinedWriter:
@@ -99,6 +104,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         self.llm.model.layer_hook = self._on_layer
         self._layout_msg = self.layout.to_proto()
         self._reaper: asyncio.Task | None = None
+        self.shm = ShmOpener()
 
     def add_services(self, server: grpc.aio.Server) -> None:
         add_prefill_service(self, server)
@@ -155,6 +161,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                       task=asyncio.current_task())
         h = _Handoff(lease, asyncio.Queue(), asyncio.get_running_loop(),
                      num_blocks=-(-len(ids) // self.layout.block_size), max_message_bytes=max_msg)
+        if start.HasField("shm"):
+            h.shm = self._open_shm(start.shm, h.num_blocks)
         self.leases.add(lease)
         self._handoffs[lease.lease_id] = h
         reader = asyncio.create_task(self._read_decode_side(it, h))
@@ -163,7 +171,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         try:
             await context.write(kv_pb2.PrefillServerMessage(header=kv_pb2.HandoffHeader(
                 lease_id=lease.lease_id, layout=self.layout.to_proto(), num_tokens=len(ids),
-                num_blocks=h.num_blocks, lease_seconds=self.options.lease_seconds)))
+                num_blocks=h.num_blocks, lease_seconds=self.options.lease_seconds, shm=h.shm is not None)))
             if len(ids) >= self.options.stream_min_tokens:
                 with self._lock:
                     self._streaming[lease.lease_id] = h
@@ -179,6 +187,15 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                 await asyncio.gather(compute, return_exceptions=True)
             await asyncio.shield(self._release(h, lease.release_reason or reason))
 
+    def _open_shm(self, offer: kv_pb2.ShmRegion, num_blocks: int) -> np.ndarray | None:
+        """The offered region if this worker sees the decode worker's arena file and the region
+        holds the whole prompt; else None, and the K/V goes inline."""
+        if offer.size < num_blocks * self.layout.num_layers * self.layout.bytes_per_block_layer:
+            return None
+        region = self.shm.open(offer.path, offer.nonce, offer.offset, offer.size)
+        self.metrics.shm_offers.labels("accepted" if region is not None else "unreachable").inc()
+        return region
+
     # ---- hand-off steps -----------------------------------------------------------------------
 
     async def _send_loop(self, h: _Handoff, context) -> str:
@@ -191,8 +208,13 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                     _, r, t = ev
                     if h.send_started_at is None:
                         h.send_started_at = time.monotonic()
-                    msg = encode_chunk_message(chunk_header(self._layout_msg, r, h.lease.num_tokens), t)
+                    header = chunk_header(self._layout_msg, r, h.lease.num_tokens)
                     size = payload_size(t)
+                    if h.shm is None:
+                        msg = encode_chunk_message(header, t)
+                    else:
+                        msg = place_chunk(header, t, h.shm, h.shm_next)
+                        h.shm_next += size
                     await out.write(msg, lambda size=size: self._chunk_sent(h, size))
                     if self.options.debug_chunk_delay_s:
                         await out.flush()

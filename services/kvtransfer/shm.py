@@ -1,0 +1,136 @@
+"""Shared-memory data plane for a prefill and a decode worker on the same node.
+
+The decode worker owns an arena: one file on a shared-memory mount (/dev/shm, or a memory-backed
+emptyDir/hostPath both pods mount), mapped once for its lifetime. For each hand-off it carves a
+region big enough for the prompt's whole K/V out of the arena and offers it in PrefillStart. A
+prefill worker that can open the same file (checked by the nonce the file begins with) writes
+each chunk's bytes there and sends only the chunk's header and checksum on the gRPC stream;
+otherwise the bytes go inline as before. The control stream, verification, leases and aborts
+are the same either way: only where the payload travels changes.
+
+Cost per byte: one copy in (prefill: cache blocks -> region), one checksum each side, one copy
+out (decode: region -> reserved blocks). No socket, no kernel copies, no page faults after the
+arena's first use.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+NONCE_BYTES = 16
+DATA_START = 4096  # the nonce lives in the first page; regions start after it
+ALIGN = 4096  # regions start on page boundaries
+
+
+@dataclass(frozen=True)
+class Region:
+    offset: int  # from the start of the arena file
+    size: int
+
+
+class ShmArena:
+    """Decode side: the arena file, its mapping, and a first-fit allocator of regions."""
+
+    def __init__(self, size: int, directory: str | Path = "/dev/shm"):
+        if size <= DATA_START:
+            raise ValueError(f"shared-memory arena of {size} B is too small: it needs more than {DATA_START} B")
+        self.path = Path(directory) / f"kvrelay-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.size = size
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._map[:NONCE_BYTES] = self.nonce
+        self.view = np.frombuffer(self._map, dtype=np.uint8)
+        self._free: list[tuple[int, int]] = [(DATA_START, size - DATA_START)]  # (offset, size), sorted
+        self._lock = threading.Lock()
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(n for _, n in self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.size - DATA_START
+
+    def allocate(self, nbytes: int) -> Region | None:
+        """A region of at least nbytes, or None when no free run is big enough (send inline then)."""
+        need = -(-nbytes // ALIGN) * ALIGN
+        with self._lock:
+            for i, (off, n) in enumerate(self._free):
+                if n >= need:
+                    if n == need:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + need, n - need)
+                    return Region(off, need)
+        return None
+
+    def free(self, region: Region) -> None:
+        with self._lock:
+            self._free.append((region.offset, region.size))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for off, n in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == off:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
+                else:
+                    merged.append((off, n))
+            self._free = merged
+
+    def close(self) -> None:
+        """Unlink the file; mappings (ours, a prefill worker's) stay valid until unmapped."""
+        self.path.unlink(missing_ok=True)
+
+
+class ShmOpener:
+    """Prefill side: maps offered arena files once each and hands out views of their regions."""
+
+    def __init__(self):
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+
+    def open(self, path: str, nonce: bytes, offset: int, size: int) -> np.ndarray | None:
+        """A writable uint8 view of the region, or None when this worker cannot see that file
+        (another node, another mount) or the offer does not fit it: the bytes then go inline."""
+        entry = self._maps.get(path)
+        if entry is None:
+            self._forget_gone()
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError:
+                return None
+            try:
+                entry = (m := mmap.mmap(fd, 0), np.frombuffer(m, dtype=np.uint8))
+            except (OSError, ValueError):
+                return None
+            finally:
+                os.close(fd)
+            self._maps[path] = entry
+        m, view = entry
+        if len(nonce) != NONCE_BYTES or m[:NONCE_BYTES] != nonce:
+            # A file of that name exists but is not the decode worker's arena (or was replaced).
+            del self._maps[path]
+            return None
+        if offset < DATA_START or offset + size > len(m):
+            return None
+        return view[offset:offset + size]
+
+    def _forget_gone(self) -> None:
+        """Drop mappings of arenas whose file is gone (their decode worker stopped), so their
+        pages can be freed once no hand-off still writes into them."""
+        for path in [p for p in self._maps if not os.path.exists(p)]:
+            del self._maps[path]
+
+    def close(self) -> None:
+        self._maps.clear()  # the mmaps unmap when the last view of them goes
