@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 import threading
 
 import yaml
-from kvrelay.engine.engine_args import EngineArgs
+from kvrelay.engine.engine_args import EngineArgs, parse_bytes
 from kvrelay.gateway.app import Gateway, GatewayConfig, create_app
 from kvrelay.gateway.backend import LocalBackend
 from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStore
 from kvrelay.gateway.tenants import TenantConfigError, TenantRegistry
+from kvrelay.kvtransfer.worker_base import PARENT_PID_ENV
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:
@@ -61,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_gateway_arguments(parser)
     parser.add_argument("--disaggregated", action="store_true",
                         help="run one prefill and one decode worker process locally and route through them")
+    parser.add_argument("--kv-shm-bytes", type=parse_bytes, default=0,
+                        help="with --disaggregated: hand K/V over through a shared-memory arena of this size in "
+                             "/dev/shm (e.g. 256MiB) instead of inline on gRPC; 0: off")
     EngineArgs.add_cli_args(parser)
 
 
@@ -86,7 +91,12 @@ def start_worker(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen,
            "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory)]
     if args.served_model_name:
         cmd += ["--served-model-name", args.served_model_name]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    if role == "decode":
+        cmd += ["--kv-shm-bytes", str(args.kv_shm_bytes)]
+    # uvicorn re-raises the SIGTERM it handled once it has shut down, so the finally in
+    # run_disaggregated may never run: the workers also stop by themselves when serve exits.
+    env = os.environ | {PARENT_PID_ENV: str(os.getpid())}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     for line in proc.stdout:  # the worker prints "kvrelay <role> listening on HOST:PORT ..."
         if " listening on " in line:
             address = line.split(" listening on ")[1].split()[0]

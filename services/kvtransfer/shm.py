@@ -47,10 +47,15 @@ class ShmArena:
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Reserve every page now: a sparse file on a full tmpfs would SIGBUS on first touch.
+            os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size)
-        finally:
+        except OSError as e:
             os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise OSError(f"cannot reserve a {size} B shared-memory arena in {directory}: {e.strerror}; lower "
+                          f"--kv-shm-bytes or mount a bigger memory-backed directory (--kv-shm-dir)") from e
+        os.close(fd)
         self._map[:NONCE_BYTES] = self.nonce
         self.view = np.frombuffer(self._map, dtype=np.uint8)
         self._free: list[tuple[int, int]] = [(DATA_START, size - DATA_START)]  # (offset, size), sorted

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
+import os
 import signal
 from dataclasses import dataclass
 
@@ -121,10 +123,30 @@ class WorkerBase:
         await self.engine.shutdown()
 
 
+PARENT_PID_ENV = "KVRELAY_PARENT_PID"  # set by `kvrelay serve --disaggregated` for its local workers
+
+
+def _stop_with_parent() -> None:
+    """SIGTERM this worker when the process that started it exits, however it exits (Linux)."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (AttributeError, OSError):
+        return  # not Linux
+    if os.getppid() != int(parent):  # the parent was already gone before the line above
+        raise SystemExit("kvrelay worker: the process that started it has exited")
+
+
 async def serve_forever(worker_cls, args: argparse.Namespace) -> int:
+    _stop_with_parent()
     keep_large_buffers_mapped()
     engine = AsyncEngine(EngineArgs.from_cli(args))
-    worker = worker_cls(engine, options_from_cli(args))
+    try:
+        worker = worker_cls(engine, options_from_cli(args))
+    except (OSError, ValueError) as e:  # a message size that cannot carry a block, an arena that does not fit
+        raise SystemExit(f"kvrelay {worker_cls.role}: {e}") from None
     port = await worker.start(args.host, args.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

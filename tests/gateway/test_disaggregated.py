@@ -127,3 +127,40 @@ def test_killed_decode_worker_is_ejected_and_traffic_continues(cluster_gateway, 
                        json={"model": MODEL, "prompt": "Once", "max_tokens": 2})
         assert r.status_code == 200
     assert httpx.get(cluster_gateway.url + "/ready").status_code == 200
+
+
+def test_serve_disaggregated_hands_kv_over_shared_memory(own_tmp):
+    """`kvrelay serve --disaggregated --kv-shm-bytes`: the local decode worker keeps an arena in
+    /dev/shm while it runs (and removes it on stop), and answers like the in-process engine."""
+    import asyncio
+    from pathlib import Path
+
+    from kvrelay.engine.async_engine import AsyncEngine
+    from kvrelay.engine.engine_args import EngineArgs
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    async def reference() -> str:
+        engine = AsyncEngine(EngineArgs())
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+            return "".join([o.text async for o in engine.generate("Once upon a time", params)])
+        finally:
+            await engine.shutdown()
+
+    want = asyncio.run(reference())
+    before = set(Path("/dev/shm").glob("kvrelay-kv-*"))
+    gw = GatewayProcess(["--host", "127.0.0.1", "--disaggregated", "--kv-shm-bytes", "8MiB"],
+                        own_tmp / "serve.log")
+    try:
+        arenas = set(Path("/dev/shm").glob("kvrelay-kv-*")) - before
+        assert len(arenas) == 1 and next(iter(arenas)).stat().st_size == 8 << 20
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want
+    finally:
+        gw.stop()
+    deadline = time.monotonic() + 20  # the workers get SIGTERM when serve exits, and stop
+    while any(a.exists() for a in arenas):
+        assert time.monotonic() < deadline, "the decode worker outlived `kvrelay serve` or left its arena"
+        time.sleep(0.1)

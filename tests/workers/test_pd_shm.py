@@ -162,6 +162,15 @@ def test_arena_allocates_first_fit_and_coalesces(tmp_path):
         ShmArena(DATA_START, tmp_path)
 
 
+def test_arena_that_does_not_fit_its_directory_is_a_clear_error(tmp_path):
+    import os
+
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(OSError, match="lower --kv-shm-bytes"):
+        ShmArena(free * 4 + (1 << 40), tmp_path)
+    assert not list(tmp_path.iterdir())  # nothing left behind
+
+
 def test_opener_maps_only_the_offered_file_and_region(tmp_path):
     arena = ShmArena(DATA_START + 8192, tmp_path)
     opener = ShmOpener()
