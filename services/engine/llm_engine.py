@@ -108,6 +108,11 @@ class LLMEngine:
             dtype=self.dtype,
             device=self.device,
         )
+        if self.device.type == "cpu":
+            # torch.zeros of this size maps pages lazily; touch them all now, so the memory is
+            # committed at start (not when a pod is already serving) and writing a block never
+            # page-faults mid-step or mid-hand-off (~0.5 ms per 4 MiB of fresh blocks here).
+            self.kv_cache.view(-1).fill_(0)
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs),

@@ -28,6 +28,8 @@ import numpy as np
 NONCE_BYTES = 16
 DATA_START = 4096  # the nonce lives in the first page; regions start after it
 ALIGN = 4096  # regions start on page boundaries
+# Page tables filled at map time: no page fault per 4 KiB on a region's first use in each process.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class ShmArena:
         try:
             # Reserve every page now: a sparse file on a full tmpfs would SIGBUS on first touch.
             os.posix_fallocate(fd, 0, size)
-            self._map = mmap.mmap(fd, size)
+            self._map = mmap.mmap(fd, size, flags=_MAP_FLAGS)
         except OSError as e:
             os.close(fd)
             self.path.unlink(missing_ok=True)
@@ -116,7 +118,7 @@ class ShmOpener:
             except OSError:
                 return None
             try:
-                entry = (m := mmap.mmap(fd, 0), np.frombuffer(m, dtype=np.uint8))
+                entry = (m := mmap.mmap(fd, 0, flags=_MAP_FLAGS), np.frombuffer(m, dtype=np.uint8))
             except (OSError, ValueError):
                 return None
             finally:
