@@ -100,6 +100,9 @@ class GrpcKVTransport(KVTransport):
         self.max_message_bytes = max_message_bytes
         self.timeout_s = timeout_s
         self.arena = arena  # offered to every prefill worker; those on this node write into it
+        # A region whose prefill worker never confirmed the end of a failed hand-off returns to
+        # the arena only after this long (the prefill side's lease is 30 s by default).
+        self.shm_quarantine_s = 60.0
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _prefill_call(self, addr: str) -> grpc.aio.StreamStreamCall:
@@ -118,14 +121,19 @@ class GrpcKVTransport(KVTransport):
 
     async def pull(self, prefill_addr: str, request: HandoffRequest, dest: KVDestination) -> HandoffResult:
         call = self._prefill_call(prefill_addr)
+        region = None
+        if self.arena is not None:
+            nbytes = len(dest.block_ids) * self.layout.num_layers * self.layout.bytes_per_block_layer
+            region = self.arena.allocate(nbytes)  # None when the arena is full: inline this time
         # The exchange runs in its own task: cancelling a task blocked in call.read() would cancel
         # the RPC before the explicit abort message could go out.
-        inner = asyncio.create_task(self._run(call, request, dest))
+        inner = asyncio.create_task(self._run(call, request, dest, region))
         done_ok = False
+        writer_stopped = True  # no prefill-side code can still write into the region
         try:
             async with asyncio.timeout(self.timeout_s):
                 result = await asyncio.shield(inner)
-            done_ok = True
+            done_ok = True  # PrefillDone came after the last chunk: nothing more is placed
             return result
         except grpc.aio.AioRpcError as e:
             err = _ERRORS_FROM_PREFILL.get(e.code(), PrefillFailedError)
@@ -135,27 +143,27 @@ class GrpcKVTransport(KVTransport):
                                      f"{self.timeout_s:.0f} s") from None
         finally:
             if not done_ok:
-                await asyncio.shield(_abort_call(call, "decode side gave up the hand-off"))
+                writer_stopped = await asyncio.shield(
+                    _abort_call(call, "decode side gave up the hand-off", drain=inner.done()))
                 inner.cancel()
                 await asyncio.gather(inner, return_exceptions=True)
+            if region is not None:
+                if writer_stopped:
+                    self.arena.free(region)  # engine-thread writes already queued only read it
+                else:
+                    # The prefill worker never confirmed it stopped: it might still be copying a
+                    # chunk into the region, which must not reach another hand-off's K/V.
+                    asyncio.get_running_loop().call_later(self.shm_quarantine_s, self.arena.free, region)
 
-    async def _run(self, call, request: HandoffRequest, dest: KVDestination) -> HandoffResult:
+    async def _run(self, call, request: HandoffRequest, dest: KVDestination, region: Region | None) -> HandoffResult:
         start = kv_pb2.PrefillStart(
             request_id=request.request_id, prompt_token_ids=request.prompt_ids,
             params=params_to_proto(request.params), priority=request.priority,
             expected_layout=self.layout.to_proto(), max_message_bytes=self.max_message_bytes)
-        region = None
-        if self.arena is not None:
-            nbytes = len(dest.block_ids) * self.layout.num_layers * self.layout.bytes_per_block_layer
-            region = self.arena.allocate(nbytes)  # None when the arena is full: inline this time
-        try:
-            if region is not None:
-                start.shm.CopyFrom(kv_pb2.ShmRegion(path=str(self.arena.path), nonce=self.arena.nonce,
-                                                    offset=region.offset, size=region.size))
-            return await self._exchange(call, start, dest, region)
-        finally:
-            if region is not None:
-                self.arena.free(region)  # engine-thread writes already queued only read it
+        if region is not None:
+            start.shm.CopyFrom(kv_pb2.ShmRegion(path=str(self.arena.path), nonce=self.arena.nonce,
+                                                offset=region.offset, size=region.size))
+        return await self._exchange(call, start, dest, region)
 
     async def _exchange(self, call, start: kv_pb2.PrefillStart, dest: KVDestination,
                         region: Region | None) -> HandoffResult:
@@ -231,17 +239,31 @@ async def _read(call) -> ServerMessage:
     return msg
 
 
-async def _abort_call(call, reason: str) -> None:
-    """Explicit abort towards the prefill worker, then drop the stream (whatever state it is in)."""
+async def _abort_call(call, reason: str, drain: bool) -> bool:
+    """Explicit abort towards the prefill worker, then drop the stream (whatever state it is in).
+
+    drain: read and drop what the prefill worker already sent (gRPC delivers the call's status
+    only after its messages); False while another task still reads the call. Returns whether the
+    call had ended by itself (the prefill worker's handler returned, or its process or connection
+    is gone) before this side had to cancel it."""
     # Give the prefill worker half a second to end the call itself after the abort message; the
     # stream may already be gone, and then the cancel below is all there is to do.
-    with contextlib.suppress(Exception, asyncio.CancelledError):
-        if not call.done():
+    ended = call.done()
+    try:
+        if not ended:
             async with asyncio.timeout(0.5):
                 await call.write(kv_pb2.PrefillClientMessage(abort=kv_pb2.PrefillAbort(reason=reason)))
                 await call.done_writing()
+                while drain and await call.read() is not grpc.aio.EOF:
+                    pass
                 await call.code()
+                ended = True  # not call.done(): the timeout's cancel also marks the call done
+    except grpc.aio.AioRpcError:
+        ended = True  # the call already carries its final status
+    except (Exception, asyncio.CancelledError):  # noqa: BLE001 - timed out, or the stream is unusable
+        ended = False
     call.cancel()
+    return ended
 
 
 class _BatchWriter:

@@ -27,6 +27,7 @@ from pd_helpers import (
     scrape,
     start_pair,
     stop_pair,
+    wait_until,
 )
 from test_pd_failures import PROMPT, SLOW_PREFILL, _handoff_started, _tokens
 
@@ -117,6 +118,41 @@ async def test_corrupted_shm_chunk_is_detected_never_used(tmp_path, monkeypatch)
         assert pair.decode.metrics.failures.labels("ChunkError")._value.get() == 1
         assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 1
         assert pair.decode.arena.free_bytes == pair.decode.arena.capacity
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+
+
+async def test_region_waits_out_a_quarantine_when_the_prefill_worker_never_confirms(tmp_path, monkeypatch):
+    """A failed hand-off whose prefill worker does not end the call after the abort (hung, or
+    deaf to it) might still be copying into the region: it returns to the arena only after the
+    quarantine, never straight into another hand-off."""
+    import kvrelay.prefill.worker as prefill_worker
+    from kvrelay.kvtransfer.chunk_wire import place_chunk
+
+    def corrupting_place(header, data, region, offset):
+        msg = place_chunk(header, data, region, offset)
+        region[offset] ^= 1
+        return msg
+
+    async def deaf_reader(self, it, h):  # reads the decode side's messages, reports none
+        async for _ in it:
+            pass
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(prefill_worker, "place_chunk", corrupting_place)
+    monkeypatch.setattr(prefill_worker.PrefillWorker, "_read_decode_side", deaf_reader)
+    pair = await _shm_pair(tmp_path)
+    pair.decode.transport.shm_quarantine_s = 1.0
+    arena = pair.decode.arena
+    try:
+        want = await reference_tokens(PROMPT[:100], SEEDED)
+        assert await _tokens(pair.client.generate(PROMPT[:100], SEEDED, prefill_addr=pair.prefill_addr)) == want
+        assert arena.free_bytes < arena.capacity  # held back: the abort was never confirmed
+        async def region_returned() -> bool:
+            return arena.free_bytes == arena.capacity
+
+        await wait_until(region_returned, timeout_s=10, what="the quarantined region to return")
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
     finally:
         await stop_pair(pair)
