@@ -150,7 +150,9 @@ class PieceTable:
             if not after.startswith(before):
                 return None
             pieces.add(after[len(before) :])
-        (piece,) = pieces if len(pieces) == 1 else (None,)
+        if len(pieces) != 1:
+            return None
+        piece = pieces.pop()
         if not piece or "\ufffd" in piece:
             return None
         self.alone[token_id] = self._decode([token_id])
