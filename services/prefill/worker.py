@@ -216,6 +216,10 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                         msg = place_chunk(header, t, h.shm, h.shm_next)
                         h.shm_next += size
                     await out.write(msg, lambda size=size: self._chunk_sent(h, size))
+                    if h.shm is not None:
+                        # The bytes are already in place: let the small message go out now, not
+                        # after the next chunk's copy (traced: it went ~1.1 ms later at 1k tokens).
+                        await asyncio.sleep(0)
                     if self.options.debug_chunk_delay_s:
                         await out.flush()
                         await asyncio.sleep(self.options.debug_chunk_delay_s)
