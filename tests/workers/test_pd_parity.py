@@ -4,6 +4,7 @@ prompts spanning many KV chunks, and layer-wise streamed hand-offs."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -129,13 +130,18 @@ async def test_n_greater_than_one_is_prefilled_on_the_decode_worker():
         await ref.shutdown()
 
 
-async def test_concurrent_handoffs_match_and_leave_no_blocks(tiny_llama):
+@pytest.mark.parametrize("plane", ["grpc", "shm"])
+async def test_concurrent_handoffs_match_and_leave_no_blocks(tiny_llama, tmp_path, plane):
     """Many hand-offs at once: several prompts finish their prefill in the same step (the layer
-    hook serves each), decode batches them; outputs match and both pools end fully free."""
+    hook serves each), decode batches them; outputs match and both pools end fully free. With a
+    shared-memory arena that holds only a few prompts' K/V at once, the rest go inline, and the
+    arena ends fully free too."""
     import asyncio
 
     opts = WorkerOptions(max_message_bytes=16 * 1024, stream_min_tokens=0, layer_group_size=1)
-    pair = await start_pair(tiny_llama, num_kv_blocks=256, prefill_options=opts, decode_options=opts)
+    dopts = opts if plane == "grpc" else dataclasses.replace(opts, kv_shm_bytes=512 * 1024,
+                                                              kv_shm_dir=str(tmp_path))
+    pair = await start_pair(tiny_llama, num_kv_blocks=256, prefill_options=opts, decode_options=dopts)
     ref = AsyncEngine(EngineArgs(model=str(tiny_llama), num_kv_blocks=256))
     await ref.start()
     try:
@@ -150,6 +156,9 @@ async def test_concurrent_handoffs_match_and_leave_no_blocks(tiny_llama):
         for i, (p, sp) in enumerate(zip(prompts, params)):
             want = await _collect(ref.generate(p, sp, f"c{i}"))
             assert got[i][0] == want[0], f"request {i}"
+        if plane == "shm":
+            assert pair.prefill.metrics.shm_offers.labels("accepted")._value.get() >= 1
+            assert pair.decode.arena.free_bytes == pair.decode.arena.capacity
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
     finally:
         await stop_pair(pair)
