@@ -47,6 +47,7 @@ _ARGTYPES = {
     "add_rms_norm_f32": [_P] * 5 + [_I] * 4 + [_F, _N],
     "rotary_f32": [_P] * 4 + [_I] * 5 + [_N],
     "write_kv_rows": [_P] * 5 + [_I] * 5,
+    "scatter_blocks_rows": [_P] * 3 + [_I] * 5,
     "packed_linear_f32": [_P] + [_I] * 3 + [_P, _I, _P, _P, _N],
     "packed_linear_f32_available": [],
 }
@@ -293,6 +294,28 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     )
     if status != 0:
         raise IndexError(f"a slot lies past the KV cache's {num_slots} slots")
+
+
+def supports_scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor,
+                            layer_start: int, layer_end: int) -> bool:
+    """CPU tensors of one dtype, both contiguous, the buffer exactly gather_blocks' shape."""
+    if kv_cache.device.type != "cpu" or buffer.device.type != "cpu" or buffer.dtype != kv_cache.dtype:
+        return False
+    want = (layer_end - layer_start, 2, block_ids.numel(), *kv_cache.shape[3:])
+    return (0 <= layer_start < layer_end <= kv_cache.shape[0] and tuple(buffer.shape) == want
+            and kv_cache.is_contiguous() and buffer.is_contiguous() and block_ids.dim() == 1)
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor, layer_start: int,
+                   layer_end: int) -> None:
+    """The caller checks supports_scatter_blocks first."""
+    ids = block_ids.to(torch.int64).contiguous()
+    block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
+    status = library().scatter_blocks_rows(
+        kv_cache.data_ptr(), buffer.data_ptr(), ids.data_ptr(), ids.numel(), layer_end - layer_start, layer_start,
+        kv_cache.shape[2], block_bytes)
+    if status != 0:
+        raise IndexError(f"a block id lies outside the KV cache's {kv_cache.shape[2]} blocks")
 
 
 # ---- linear over packed weights (fp32) --------------------------------------------------------

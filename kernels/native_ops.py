@@ -1,8 +1,8 @@
 """The CPU kernel set: the torch references, with decode attention, RMSNorm, rotary embedding,
-the KV write and (on AVX2 machines) linear layers over packed weights from the native C kernels
-(kvrelay.kernels.cpu_native) for the dtypes and layouts they support (decode attention and KV
-write: fp32/bf16/fp16; the rest: fp32). SiLU-and-mul stays torch: its vectorised exp beat a C
-loop over glibc's scalar expf 3x."""
+the KV write, the block scatter of a P/D hand-off and (on AVX2 machines) linear layers over
+packed weights from the native C kernels (kvrelay.kernels.cpu_native) for the dtypes and layouts
+they support (decode attention, KV write and block scatter: fp32/bf16/fp16; the rest: fp32).
+SiLU-and-mul stays torch: its vectorised exp beat a C loop over glibc's scalar expf 3x."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from kvrelay.kernels.reference import (
     int8_matmul,
     paged_prefill_attention,
     quantize_int8,
-    scatter_blocks,
     silu_and_mul,
 )
 
@@ -80,6 +79,14 @@ def write_kv(
     if cpu_native.supports_write_kv(key, value, k_cache, v_cache, slot_mapping):
         return cpu_native.write_kv(key, value, k_cache, v_cache, slot_mapping)
     return reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def scatter_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor, layer_start: int, layer_end: int
+) -> None:
+    if cpu_native.supports_scatter_blocks(kv_cache, block_ids, buffer, layer_start, layer_end):
+        return cpu_native.scatter_blocks(kv_cache, block_ids, buffer, layer_start, layer_end)
+    return reference.scatter_blocks(kv_cache, block_ids, buffer, layer_start, layer_end)
 
 
 def prepack_linear(weight: torch.Tensor) -> PackedWeight | None:

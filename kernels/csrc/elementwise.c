@@ -78,3 +78,22 @@ int write_kv_rows(const char *key, const char *value, char *k_cache, char *v_cac
     }
     return 0;
 }
+
+/* Unpack a gather_blocks buffer [layers, 2, n, block] into blocks ids[0..n) of the cache
+ * [.., 2, num_blocks, block] for layers [layer_start, layer_start + layers); block_bytes per
+ * (layer, K/V, block). One memcpy per block: torch's indexed assignment moved ~4.6 GB/s here,
+ * memcpy 16-20 GB/s. Returns -1, having written nothing, if an id lies outside the cache. */
+int scatter_blocks_rows(char *cache, const char *buf, const int64_t *ids, int64_t n, int64_t layers,
+                        int64_t layer_start, int64_t num_blocks, int64_t block_bytes) {
+    for (int64_t j = 0; j < n; j++)
+        if (ids[j] < 0 || ids[j] >= num_blocks) return -1;
+    for (int64_t l = 0; l < layers; l++) {
+        for (int64_t kv = 0; kv < 2; kv++) {
+            char *dst = cache + ((layer_start + l) * 2 + kv) * num_blocks * block_bytes;
+            const char *src = buf + (l * 2 + kv) * n * block_bytes;
+            for (int64_t j = 0; j < n; j++)
+                memcpy(dst + ids[j] * block_bytes, src + j * block_bytes, (size_t)block_bytes);
+        }
+    }
+    return 0;
+}

@@ -162,7 +162,8 @@ def test_write_kv_refuses_a_slot_past_the_cache_and_writes_nothing():
 def test_native_backend_takes_native_kernels_where_they_exist():
     ops = get_ops("native")
     assert ops.backend == "native"
-    for name in ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv"):
+    for name in ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv",
+                 "scatter_blocks"):
         assert getattr(ops, name) is getattr(native_ops, name)
     for name in ("paged_prefill_attention", "silu_and_mul", "gather_blocks"):
         assert getattr(ops, name) is getattr(reference, name)
@@ -265,3 +266,41 @@ print(len(os.listdir('/proc/self/task')) - before)
     out = _python(code, OMP_NUM_THREADS="2")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0"]  # no OpenMP worker threads were started
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layers", [(0, 3), (1, 2), (2, 3)])
+def test_scatter_blocks_matches_the_reference(layers, dtype):
+    """The P/D hand-off's block scatter: bit for bit the reference, repeated ids included (last wins)."""
+    from kvrelay.kernels import native_ops, reference
+
+    start, end = layers
+    ids = torch.tensor([0, 7, 3, 9, 7], dtype=torch.int32)
+    buffer = torch.randn((end - start, 2, 5, 4, 2, 8)).to(dtype)
+    got = torch.randn((3, 2, 10, 4, 2, 8)).to(dtype)
+    want = got.clone()
+    assert cpu_native.supports_scatter_blocks(got, ids, buffer, start, end)
+    native_ops.scatter_blocks(got, ids, buffer, start, end)
+    reference.scatter_blocks(want, ids, buffer, start, end)
+    assert torch.equal(got, want)
+
+
+def test_scatter_blocks_refuses_an_id_past_the_cache_and_writes_nothing():
+    cache = torch.zeros((2, 2, 4, 4, 1, 8))
+    with pytest.raises(IndexError, match="outside the KV cache's 4 blocks"):
+        cpu_native.scatter_blocks(cache, torch.tensor([1, 4]), torch.ones((2, 2, 2, 4, 1, 8)), 0, 2)
+    assert not cache.any()
+
+
+def test_scatter_blocks_other_layouts_fall_back_to_the_reference():
+    from kvrelay.kernels import native_ops, reference
+
+    cache = torch.zeros((2, 2, 4, 4, 1, 8))
+    buffer = torch.ones((2, 2, 4, 2, 1, 8)).transpose(2, 3)  # not contiguous
+    assert not cpu_native.supports_scatter_blocks(cache, torch.tensor([0, 2]), buffer, 0, 2)
+    assert not cpu_native.supports_scatter_blocks(cache, torch.tensor([0, 2]), torch.ones((2, 2, 2, 4, 1, 8),
+                                                  dtype=torch.float64), 0, 2)  # another dtype: the reference casts
+    want = cache.clone()
+    native_ops.scatter_blocks(cache, torch.tensor([0, 2]), buffer, 0, 2)
+    reference.scatter_blocks(want, torch.tensor([0, 2]), buffer, 0, 2)
+    assert torch.equal(cache, want)
