@@ -35,6 +35,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=12, ignore_eos=True, logprobs=2)
 
 
+def _corrupting_place(header, data, region, offset):
+    """place_chunk, then one bit of the placed bytes flips (after the prefill worker hashed them)."""
+    from kvrelay.kvtransfer.chunk_wire import place_chunk
+
+    msg = place_chunk(header, data, region, offset)
+    region[offset] ^= 1
+    return msg
+
+
 def _offers(pair, outcome: str) -> float:
     return pair.prefill.metrics.shm_offers.labels(outcome)._value.get()
 
@@ -103,14 +112,8 @@ async def test_corrupted_shm_chunk_is_detected_never_used(tmp_path, monkeypatch)
     """Bytes changed in the region after the prefill worker hashed them fail the checksum; the
     decode worker drops the attempt and prefills locally."""
     import kvrelay.prefill.worker as prefill_worker
-    from kvrelay.kvtransfer.chunk_wire import place_chunk
 
-    def corrupting_place(header, data, region, offset):
-        msg = place_chunk(header, data, region, offset)
-        region[offset] ^= 1
-        return msg
-
-    monkeypatch.setattr(prefill_worker, "place_chunk", corrupting_place)
+    monkeypatch.setattr(prefill_worker, "place_chunk", _corrupting_place)
     pair = await _shm_pair(tmp_path)
     try:
         want = await reference_tokens(PROMPT[:100], SEEDED)
@@ -128,19 +131,13 @@ async def test_region_waits_out_a_quarantine_when_the_prefill_worker_never_confi
     deaf to it) might still be copying into the region: it returns to the arena only after the
     quarantine, never straight into another hand-off."""
     import kvrelay.prefill.worker as prefill_worker
-    from kvrelay.kvtransfer.chunk_wire import place_chunk
-
-    def corrupting_place(header, data, region, offset):
-        msg = place_chunk(header, data, region, offset)
-        region[offset] ^= 1
-        return msg
 
     async def deaf_reader(self, it, h):  # reads the decode side's messages, reports none
         async for _ in it:
             pass
         await asyncio.Event().wait()
 
-    monkeypatch.setattr(prefill_worker, "place_chunk", corrupting_place)
+    monkeypatch.setattr(prefill_worker, "place_chunk", _corrupting_place)
     monkeypatch.setattr(prefill_worker.PrefillWorker, "_read_decode_side", deaf_reader)
     pair = await _shm_pair(tmp_path)
     pair.decode.transport.shm_quarantine_s = 1.0
@@ -240,7 +237,7 @@ def test_reader_takes_chunks_only_back_to_back_within_the_region(tmp_path):
         arena.close()
 
 
-async def test_shm_flags_on_the_command_line(tmp_path):
+def test_shm_flags_on_the_command_line():
     import argparse
 
     from kvrelay.kvtransfer.worker_base import add_worker_args, options_from_cli
