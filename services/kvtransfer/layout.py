@@ -46,6 +46,10 @@ class KVLayout:
         """Bytes of K and V of one block in one layer."""
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
 
+    def bytes_for_blocks(self, num_blocks: int) -> int:
+        """Bytes of K and V of num_blocks blocks in every layer: a whole prompt's hand-off."""
+        return num_blocks * self.num_layers * self.bytes_per_block_layer
+
     def to_proto(self) -> kv_pb2.KVLayout:
         return kv_pb2.KVLayout(**asdict(self))
 

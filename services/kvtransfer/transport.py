@@ -123,8 +123,8 @@ class GrpcKVTransport(KVTransport):
         call = self._prefill_call(prefill_addr)
         region = None
         if self.arena is not None:
-            nbytes = len(dest.block_ids) * self.layout.num_layers * self.layout.bytes_per_block_layer
-            region = self.arena.allocate(nbytes)  # None when the arena is full: inline this time
+            # None when the arena is full: inline this time.
+            region = self.arena.allocate(self.layout.bytes_for_blocks(len(dest.block_ids)))
         # The exchange runs in its own task: cancelling a task blocked in call.read() would cancel
         # the RPC before the explicit abort message could go out.
         inner = asyncio.create_task(self._run(call, request, dest, region))
@@ -163,10 +163,6 @@ class GrpcKVTransport(KVTransport):
         if region is not None:
             start.shm.CopyFrom(kv_pb2.ShmRegion(path=str(self.arena.path), nonce=self.arena.nonce,
                                                 offset=region.offset, size=region.size))
-        return await self._exchange(call, start, dest, region)
-
-    async def _exchange(self, call, start: kv_pb2.PrefillStart, dest: KVDestination,
-                        region: Region | None) -> HandoffResult:
         await call.write(kv_pb2.PrefillClientMessage(start=start))
         rx = await _read(call)
         if rx.kind() != "header":
@@ -174,10 +170,9 @@ class GrpcKVTransport(KVTransport):
         header = rx.msg.header
         t0 = None  # first chunk received: transfer time excludes waiting for the prefill to start
         check_layout(self.layout, KVLayout.from_proto(header.layout), "hand-off header")
-        num_tokens = len(start.prompt_token_ids)
-        if header.num_tokens != num_tokens or header.num_blocks != len(dest.block_ids):
+        if header.num_tokens != len(request.prompt_ids) or header.num_blocks != len(dest.block_ids):
             raise ChunkError(f"prefill worker describes {header.num_tokens} tokens in {header.num_blocks} blocks; "
-                             f"decode reserved {len(dest.block_ids)} blocks for {num_tokens} tokens")
+                             f"decode reserved {len(dest.block_ids)} blocks for {len(request.prompt_ids)} tokens")
         if header.shm and region is None:
             raise ChunkError("prefill worker chose the shared-memory data plane, which this decode worker did "
                              "not offer")

@@ -190,7 +190,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
     def _open_shm(self, offer: kv_pb2.ShmRegion, num_blocks: int) -> np.ndarray | None:
         """The offered region if this worker sees the decode worker's arena file and the region
         holds the whole prompt; else None, and the K/V goes inline."""
-        if offer.size < num_blocks * self.layout.num_layers * self.layout.bytes_per_block_layer:
+        if offer.size < self.layout.bytes_for_blocks(num_blocks):
             return None
         region = self.shm.open(offer.path, offer.nonce, offer.offset, offer.size)
         self.metrics.shm_offers.labels("accepted" if region is not None else "unreachable").inc()
