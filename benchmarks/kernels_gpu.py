@@ -27,14 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _import_kernels_package() -> None:
-    """Use the installed kvrelay; on a bare GPU box (torch + triton only) map kernels/ directly."""
+    """Use the installed kvrelay; on a bare GPU box (torch + triton only) map kernels/ops/ directly."""
     try:
         import kvrelay.kernels  # noqa: F401
     except ImportError:
         root = types.ModuleType("kvrelay")
         root.__path__ = []
         kernels = types.ModuleType("kvrelay.kernels")
-        kernels.__path__ = [str(ROOT / "kernels")]
+        kernels.__path__ = [str(ROOT / "kernels" / "ops")]
         sys.modules["kvrelay"], sys.modules["kvrelay.kernels"] = root, kernels
 
 

@@ -6,7 +6,7 @@ The shapes of the ~30M-parameter Llama of benchmarks/throughput.py (hidden 512, 
 32000), fp32: per row count, one step's projections over 8 layers (each layer its own weights,
 100 MB in all, so they stream from memory as in the engine) and the LM head. Prints milliseconds
 (median of 7, the two kernels interleaved), GFLOPS and the speed ratio. The native kernel exists
-on AVX2 machines without AVX-512 (kernels/csrc/linear.c); elsewhere the script says so and stops.
+on AVX2 machines without AVX-512 (kernels/ops/csrc/linear.c); elsewhere the script says so and stops.
 """
 
 from __future__ import annotations

@@ -24,10 +24,20 @@ def test_kvrelay_operator_is_ours():
     assert path.startswith(str(ROOT / "operator")), path
 
 
-def test_no_root_folder_is_a_stdlib_package():
+def test_no_root_folder_is_a_regular_package():
+    """A root folder with __init__.py would win over an installed package of its name whenever the
+    repo root is sys.path[0] (transformers 5.25 imports the `kernels` package that kernels/ once hid);
+    a folder without one is only a namespace portion, which any installed package beats."""
     for child in ROOT.iterdir():
-        if child.is_dir() and (child / "__init__.py").exists():
-            assert child.name not in sys.stdlib_module_names, f"{child.name}/ shadows the stdlib module"
+        if child.is_dir() and not child.name.startswith("."):
+            assert not (child / "__init__.py").exists(), f"{child.name}/ could shadow a module named {child.name}"
+
+
+def test_kvrelay_kernels_is_ours_and_kernels_is_not():
+    path = run_from_root("import kvrelay.kernels as k; print(k.__file__)")
+    assert path.startswith(str(ROOT / "kernels" / "ops")), path
+    origin = run_from_root("import importlib.util as u; s = u.find_spec('kernels'); print(s and s.origin)")
+    assert origin in ("None", "") or not origin.startswith(str(ROOT)), origin
 
 
 def test_subpackages_map_to_design_folders():
@@ -35,7 +45,7 @@ def test_subpackages_map_to_design_folders():
     import kvrelay.kernels
 
     assert Path(kvrelay.engine.__file__).parent == ROOT / "services" / "engine"
-    assert Path(kvrelay.kernels.__file__).parent == ROOT / "kernels"
+    assert Path(kvrelay.kernels.__file__).parent == ROOT / "kernels" / "ops"
 
 
 def test_bundled_model_is_packaged():

@@ -1,4 +1,4 @@
-"""Native CPU kernels: C sources in kernels/csrc, compiled on first use and loaded with ctypes.
+"""Native CPU kernels: C sources in kernels/ops/csrc, compiled on first use and loaded with ctypes.
 
 Why C and not torch: plain torch has no op that reads a block table in place, so the reference
 decode attention gathers every sequence's blocks into a padded copy and reads it back, three
