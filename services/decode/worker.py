@@ -32,7 +32,7 @@ from kvrelay.kvtransfer.errors import (
     RequestAbortedError,
     WorkerUnavailableError,
 )
-from kvrelay.kvtransfer.layout import ChunkRange
+from kvrelay.kvtransfer.layout import ReceivedChunk
 from kvrelay.kvtransfer.shm import ShmArena
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.transport import GrpcKVTransport, HandoffRequest, KVDestination, KVTransport
@@ -196,18 +196,20 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         req.num_cached_tokens = result.num_cached_tokens
         return result.first_token, result.first_logprob
 
-    async def _write(self, rid: str, block_ids: list[int], batch: list[tuple[ChunkRange, torch.Tensor]]) -> None:
-        """Copy verified chunks into the request's reserved blocks, on the engine thread, only
-        while the request still holds exactly those blocks (an abort frees them first)."""
+    async def _write(self, rid: str, block_ids: list[int], batch: list[ReceivedChunk]) -> None:
+        """Check each chunk's checksum and copy it into the request's reserved blocks, on the
+        engine thread, only while the request still holds exactly those blocks (an abort frees
+        them first). A corrupted chunk raises ChunkError before any of its bytes is written."""
 
         def write(llm) -> None:
             seqs = llm.requests.get(rid)
             if not seqs or seqs[0].status is not Status.RESERVED or seqs[0].block_table != block_ids:
                 raise RequestAbortedError(f"request {rid} no longer holds its reserved blocks: write dropped")
             ids = torch.tensor(block_ids, dtype=torch.long, device=llm.device)
-            for r, t in batch:
-                llm.ops.scatter_blocks(llm.kv_cache, ids[r.block_start:r.block_end], t.to(llm.device),
-                                       r.layer_start, r.layer_end)
+            for chunk in batch:
+                r = chunk.range
+                llm.ops.scatter_blocks(llm.kv_cache, ids[r.block_start:r.block_end],
+                                       chunk.checked_tensor().to(llm.device), r.layer_start, r.layer_end)
 
         await self.engine.call_in_engine_thread(write)
 

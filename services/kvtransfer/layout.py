@@ -144,6 +144,29 @@ def chunk_header(layout_msg: kv_pb2.KVLayout, r: ChunkRange, num_tokens: int) ->
                           block_start=r.block_start, block_end=r.block_end, num_tokens=num_tokens)
 
 
+@dataclass(frozen=True)
+class ReceivedChunk:
+    """A chunk whose layout, range and size passed ChunkVerifier.accept. Its bytes are reached
+    only through checked_tensor(), which checks the checksum first: the decode worker calls it on
+    the engine thread right before the copy into its blocks, so the bytes come from memory once
+    (the checksum's pass) and the copy reads them from cache, with no thread hop in between."""
+
+    range: ChunkRange
+    data: object  # bytes-like
+    xxh3_64: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def checked_tensor(self) -> torch.Tensor:
+        digest = checksum(self.data)
+        if digest != self.xxh3_64:
+            raise ChunkError(f"KV chunk checksum mismatch (xxh3_64 {digest:#018x}, sent {self.xxh3_64:#018x}): "
+                             f"corrupted in transit")
+        with warnings.catch_warnings():  # read-only buffer: scatter only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self.data, dtype=torch.uint8).view(self.dtype).reshape(self.shape)
+
+
 class ChunkVerifier:
     """Receiver side of one hand-off: verifies each chunk against the expected layout and
     request size, tracks which (layer, block) slices arrived, and proves completeness."""
@@ -156,8 +179,14 @@ class ChunkVerifier:
         self.bytes = 0
 
     def verify(self, chunk: kv_pb2.KVChunk, payload=None) -> tuple[ChunkRange, torch.Tensor]:
-        """Checked (range, tensor) of a chunk whose data is `payload` (a bytes-like view, from
-        chunk_wire) or else chunk.data; raises LayoutMismatchError or ChunkError."""
+        """accept() and the checksum at once: the checked (range, tensor)."""
+        received = self.accept(chunk, payload)
+        return received.range, received.checked_tensor()
+
+    def accept(self, chunk: kv_pb2.KVChunk, payload=None) -> ReceivedChunk:
+        """Check a chunk's layout, range, size and overlap, whose data is `payload` (a bytes-like
+        view, from chunk_wire) or else chunk.data; raises LayoutMismatchError or ChunkError. Its
+        checksum is checked by ReceivedChunk.checked_tensor, the only way to its bytes."""
         lay = self.layout
         check_layout(lay, KVLayout.from_proto(chunk.layout), "KV chunk")
         r = ChunkRange(chunk.layer_start, chunk.layer_end, chunk.block_start, chunk.block_end)
@@ -173,20 +202,13 @@ class ChunkVerifier:
         data = chunk.data if payload is None else payload  # chunk.data copies on each access: read once
         if len(data) != want:
             raise ChunkError(f"KV chunk carries {len(data)} bytes, its shape {shape} needs {want}")
-        digest = checksum(data)
-        if digest != chunk.xxh3_64:
-            raise ChunkError(f"KV chunk checksum mismatch (xxh3_64 {digest:#018x}, sent {chunk.xxh3_64:#018x}): "
-                             f"corrupted in transit")
         window = self.seen[r.layer_start:r.layer_end, r.block_start:r.block_end]
         if window.any():
             raise ChunkError(f"KV chunk layers [{r.layer_start}, {r.layer_end}) blocks [{r.block_start}, "
                              f"{r.block_end}) overlaps a slice already received")
         window[:] = True
         self.bytes += want
-        with warnings.catch_warnings():  # read-only buffer: scatter only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.frombuffer(data, dtype=torch.uint8).view(lay.torch_dtype).reshape(shape)
-        return r, t
+        return ReceivedChunk(r, data, chunk.xxh3_64, shape, lay.torch_dtype)
 
     def check_complete(self) -> None:
         missing = int((~self.seen).sum())

@@ -1,8 +1,9 @@
 """The KVTransport interface (decode side pulls a prompt's K/V into blocks it reserved) and its
 gRPC implementation.
 
-Contract of `pull`: the transport asks the prefill worker to prefill, verifies every chunk
-(layout, ranges, size, checksum) before handing it to `dest.write`, checks that every
+Contract of `pull`: the transport asks the prefill worker to prefill, checks every chunk's
+layout, ranges and size before handing it to `dest.write` (whose only way to the bytes,
+ReceivedChunk.checked_tensor, checks the checksum right before the copy), checks that every
 (layer, block) arrived exactly once, acknowledges so the prefill worker frees its blocks, and
 returns the first token. On any failure or cancellation it tells the prefill worker explicitly
 (abort message, then stream cancel) and raises; it never writes after returning or raising.
@@ -28,7 +29,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
-import torch
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
@@ -38,15 +38,15 @@ from kvrelay.kvtransfer.errors import ChunkError, HandoffError, LayoutMismatchEr
 from kvrelay.kvtransfer.grpc_options import channel_options
 from kvrelay.kvtransfer.layout import (
     DEFAULT_MAX_MESSAGE_BYTES,
-    ChunkRange,
     ChunkVerifier,
     KVLayout,
+    ReceivedChunk,
     check_layout,
 )
 from kvrelay.kvtransfer.shm import Region, ShmArena
 from kvrelay.v1 import kv_pb2
 
-WriteFn = Callable[[list[tuple[ChunkRange, torch.Tensor]]], Awaitable[None]]
+WriteFn = Callable[[list[ReceivedChunk]], Awaitable[None]]
 
 
 @dataclass
@@ -62,7 +62,7 @@ class KVDestination:
     """Where the K/V goes: the decode worker's reserved blocks, in prompt order, and how to write them."""
 
     block_ids: list[int]
-    write: WriteFn  # copies verified chunks into block_ids (on the engine thread)
+    write: WriteFn  # checks each chunk's checksum and copies it into block_ids (on the engine thread)
 
 
 @dataclass
@@ -186,7 +186,7 @@ class GrpcKVTransport(KVTransport):
                 if kind == "chunk":
                     t0 = t0 or time.monotonic()
                     payload = rx.payload if shm is None else shm.payload(msg.chunk)
-                    writer.add(*verifier.verify(msg.chunk, payload))
+                    writer.add(verifier.accept(msg.chunk, payload))
                 elif kind == "done":
                     await writer.drain()
                     verifier.check_complete()
@@ -267,13 +267,13 @@ class _BatchWriter:
 
     def __init__(self, write: WriteFn):
         self._write = write
-        self._pending: list[tuple[ChunkRange, torch.Tensor]] = []
+        self._pending: list[ReceivedChunk] = []
         self._task: asyncio.Task | None = None
 
-    def add(self, r: ChunkRange, t: torch.Tensor) -> None:
+    def add(self, chunk: ReceivedChunk) -> None:
         if self._task is not None and self._task.done():
             self._task.result()  # surface a failed write now
-        self._pending.append((r, t))
+        self._pending.append(chunk)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop())
 

@@ -105,6 +105,19 @@ def test_corrupted_payload_fails_the_checksum():
         ChunkVerifier(LAYOUT, 10, 3).verify(msg)
 
 
+def test_accepted_chunk_yields_its_bytes_only_after_the_checksum():
+    """accept() checks layout, range and size; the checksum waits for checked_tensor(), which the
+    decode worker calls on the engine thread right before the copy, so corrupted bytes never
+    reach a block."""
+    msg, t = _chunk(ChunkRange(0, 1, 0, 1))
+    good = ChunkVerifier(LAYOUT, 10, 3).accept(msg)
+    assert good.range == ChunkRange(0, 1, 0, 1) and torch.equal(good.checked_tensor(), t)
+    msg.data = msg.data[:-1] + bytes([msg.data[-1] ^ 1])
+    bad = ChunkVerifier(LAYOUT, 10, 3).accept(msg)
+    with pytest.raises(ChunkError, match="checksum mismatch"):
+        bad.checked_tensor()
+
+
 @pytest.mark.parametrize("field,value", [("dtype", "bfloat16"), ("model_revision", "rev2"), ("block_size", 8),
                                          ("num_kv_heads", 4), ("model_id", "other")])
 def test_layout_mismatch_names_the_field(field, value):
