@@ -8,6 +8,11 @@ each chunk's bytes there and sends only the chunk's header and checksum on the g
 otherwise the bytes go inline as before. The control stream, verification, leases and aborts
 are the same either way: only where the payload travels changes.
 
+An arena's file lives as long as its decode worker: the worker holds an exclusive flock(2) on it,
+which the kernel drops when the process dies however it dies, and every new arena first deletes
+files in its directory whose lock is free (their owner was killed before it could unlink them),
+so a crash-looping decode worker on a hostPath cannot fill the node's memory with dead arenas.
+
 Cost per byte: one copy in (prefill: cache blocks -> region), one checksum each side, one copy
 out (decode: region -> reserved blocks). No socket, no kernel copies, no page faults after the
 arena's first use.
@@ -15,6 +20,8 @@ arena's first use.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -25,7 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 NONCE_BYTES = 16
+PREFIX = "kvrelay-kv-"  # arena files; a file being created has a name without it
 DATA_START = 4096  # the nonce lives in the first page; regions start after it
 ALIGN = 4096  # regions start on page boundaries
 # Page tables filled at map time: no page fault per 4 KiB on a region's first use in each process.
@@ -44,20 +54,27 @@ class ShmArena:
     def __init__(self, size: int, directory: str | Path = "/dev/shm"):
         if size <= DATA_START:
             raise ValueError(f"shared-memory arena of {size} B is too small: it needs more than {DATA_START} B")
-        self.path = Path(directory) / f"kvrelay-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.removed_stale = remove_stale_arenas(directory)
+        name = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path = Path(directory) / f"{PREFIX}{name}"
         self.size = size
         self.nonce = secrets.token_bytes(NONCE_BYTES)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Created under another name and locked before it gets the arena name, so another
+        # worker's sweep never sees it unlocked.
+        creating = Path(directory) / f".creating-{name}"
+        fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # Reserve every page now: a sparse file on a full tmpfs would SIGBUS on first touch.
             os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size, flags=_MAP_FLAGS)
+            os.rename(creating, self.path)
         except OSError as e:
             os.close(fd)
-            self.path.unlink(missing_ok=True)
+            creating.unlink(missing_ok=True)
             raise OSError(f"cannot reserve a {size} B shared-memory arena in {directory}: {e.strerror}; lower "
                           f"--kv-shm-bytes or mount a bigger memory-backed directory (--kv-shm-dir)") from e
-        os.close(fd)
+        self._lock_fd = fd  # held open, with its lock, until close() or the process's death
         self._map[:NONCE_BYTES] = self.nonce
         self.view = np.frombuffer(self._map, dtype=np.uint8)
         self._free: list[tuple[int, int]] = [(DATA_START, size - DATA_START)]  # (offset, size), sorted
@@ -99,6 +116,34 @@ class ShmArena:
     def close(self) -> None:
         """Unlink the file; mappings (ours, a prefill worker's) stay valid until unmapped."""
         self.path.unlink(missing_ok=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def remove_stale_arenas(directory: str | Path) -> list[Path]:
+    """Delete arena files in directory that no live process holds (their decode worker was
+    killed); returns them. A live arena's owner holds an exclusive flock on it, which this
+    probe cannot take."""
+    removed = []
+    for path in sorted(Path(directory).glob(f"{PREFIX}*")):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # locked: its decode worker is alive
+        else:
+            # Unlinked while we hold the lock: an owner cannot have appeared in between (a new
+            # arena is locked before it gets its name).
+            path.unlink(missing_ok=True)
+            removed.append(path)
+            log.warning("removed shared-memory arena %s left by a decode worker that is gone", path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 class ShmOpener:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +17,7 @@ from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer.client import DecodeClient
 from kvrelay.kvtransfer.errors import ChunkError
-from kvrelay.kvtransfer.shm import DATA_START, Region, ShmArena, ShmOpener
+from kvrelay.kvtransfer.shm import DATA_START, Region, ShmArena, ShmOpener, remove_stale_arenas
 from kvrelay.kvtransfer.transport import _ShmReader
 from kvrelay.kvtransfer.worker_base import WorkerOptions
 from kvrelay.v1 import kv_pb2
@@ -202,6 +205,33 @@ def test_arena_that_does_not_fit_its_directory_is_a_clear_error(tmp_path):
     with pytest.raises(OSError, match="lower --kv-shm-bytes"):
         ShmArena(free * 4 + (1 << 40), tmp_path)
     assert not list(tmp_path.iterdir())  # nothing left behind
+
+
+def test_arena_of_a_killed_decode_worker_is_removed_by_the_next_one(tmp_path):
+    """SIGKILL leaves no chance to unlink: the next arena in the directory deletes files whose
+    owner's lock is gone, and leaves a live worker's arena alone."""
+    code = ("import sys, time; from kvrelay.kvtransfer.shm import ShmArena; "
+            "print(ShmArena(1 << 20, sys.argv[1]).path, flush=True); time.sleep(120)")
+    owners = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    try:
+        dead, live = (Path(p.stdout.readline().strip()) for p in owners)
+        owners[0].kill()
+        owners[0].wait()
+        assert dead.exists() and live.exists()
+        arena = ShmArena(1 << 20, tmp_path)
+        try:
+            assert arena.removed_stale == [dead]
+            assert not dead.exists() and live.exists() and arena.path.exists()
+            assert remove_stale_arenas(tmp_path) == []  # ours is locked too
+        finally:
+            arena.close()
+    finally:
+        for p in owners:
+            p.kill()
+            p.wait()
+    assert remove_stale_arenas(tmp_path) == [live]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_opener_maps_only_the_offered_file_and_region(tmp_path):
