@@ -115,6 +115,8 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
                 "--served-model-name", spec.model.name, "--dtype", spec.model.dtype]
         if spec.model.quantization != "none":
             args += ["--quantization", spec.model.quantization]
+        if role == "decode" and spec.shared_memory.enabled:
+            args += ["--kv-shm-bytes", str(spec.shared_memory.size_bytes), "--kv-shm-dir", c.KV_SHM_MOUNT_DIR]
     else:
         args = [
             "gateway",
@@ -197,6 +199,8 @@ def build_deployment(
     if role == "gateway" and spec.tenants_secret:
         container["volumeMounts"] = [{"name": "tenants", "mountPath": c.TENANTS_MOUNT_DIR, "readOnly": True}]
         pod_spec["volumes"] = [{"name": "tenants", "secret": {"secretName": spec.tenants_secret.name}}]
+    if role in c.WORKER_ROLES and spec.shared_memory.enabled:
+        _add_shared_memory(owner, role, spec, container, pod_spec)
     if rs.node_selector:
         pod_spec["nodeSelector"] = dict(rs.node_selector)
     if rs.tolerations:
@@ -218,6 +222,24 @@ def build_deployment(
             },
         },
     }
+
+
+def _add_shared_memory(owner: Owner, role: str, spec: InferenceServiceSpec, container: dict[str, Any],
+                       pod_spec: dict[str, Any]) -> None:
+    """Same-node K/V data plane: both worker roles mount the node directory (memory-backed, e.g.
+    the node's /dev/shm) where each decode pod keeps its arena; prefill pods prefer nodes that run
+    a decode pod of this service, so that hand-offs can skip the network. A pair on different
+    nodes still works: its K/V goes inline on gRPC."""
+    container["volumeMounts"] = [*container.get("volumeMounts", []),
+                                 {"name": c.KV_SHM_VOLUME, "mountPath": c.KV_SHM_MOUNT_DIR}]
+    pod_spec["volumes"] = [*pod_spec.get("volumes", []), {
+        "name": c.KV_SHM_VOLUME, "hostPath": {"path": spec.shared_memory.host_path, "type": "Directory"}}]
+    if role == "prefill":
+        pod_spec["affinity"] = {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100,
+            "podAffinityTerm": {"labelSelector": {"matchLabels": selector(owner, "decode")},
+                                "topologyKey": c.NODE_HOSTNAME_LABEL},
+        }]}}
 
 
 def build_service(owner: Owner, role: str) -> dict[str, Any]:

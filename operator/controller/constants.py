@@ -35,6 +35,9 @@ GATEWAY_HTTP_PORT = 8000
 
 DEFAULT_IMAGE = "ghcr.io/kvrelay/kvrelay:0.1.0"  # overridden by KVRELAY_IMAGE (set by the chart)
 TENANTS_MOUNT_DIR = "/etc/kvrelay/tenants"
+KV_SHM_MOUNT_DIR = "/kv-shm"  # where prefill and decode pods mount spec.kvTransfer.sharedMemory.hostPath
+KV_SHM_VOLUME = "kv-shm"
+NODE_HOSTNAME_LABEL = "kubernetes.io/hostname"
 
 # Prometheus metrics the autoscaler reads (see services/gateway and the workers' /metrics).
 METRIC_GATEWAY_QUEUE_DEPTH = "kvrelay:gateway_queue_depth"  # labels: model, role="prefill"|"decode"

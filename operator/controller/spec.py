@@ -14,7 +14,11 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "int8")  # what the engine implements
-TRANSPORTS = ("grpc", "rdma")
+TRANSPORTS = ("grpc",)  # RDMA (UCX/NIXL) is designed for (docs/ARCHITECTURE.md), not built
+# Kubernetes quantity suffixes, for sizes given as strings ("2Gi", "512M").
+_QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+                   "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+MIN_SHM_BYTES = 2**20
 METRICS = ("queueDepth",)
 
 
@@ -64,6 +68,19 @@ class AutoscalingSpec:
 
 
 @dataclass(frozen=True)
+class SharedMemorySpec:
+    """Same-node K/V data plane: each decode pod keeps an arena of size_bytes (0: off) in the
+    node directory host_path, which prefill pods on that node mount too."""
+
+    size_bytes: int = 0
+    host_path: str = "/dev/shm"
+
+    @property
+    def enabled(self) -> bool:
+        return self.size_bytes > 0
+
+
+@dataclass(frozen=True)
 class SecretRef:
     name: str
     key: str
@@ -77,6 +94,7 @@ class InferenceServiceSpec:
     gateway: RoleSpec
     autoscaling: AutoscalingSpec
     transport: str = "grpc"
+    shared_memory: SharedMemorySpec = SharedMemorySpec()
     tenants_secret: SecretRef | None = None
     redis_url: str | None = None
     redis_secret: SecretRef | None = None
@@ -151,6 +169,35 @@ def _role(value: Any, path: str) -> RoleSpec:
     return role
 
 
+def _bytes(value: Any, path: str) -> int:
+    """An integer byte count or a Kubernetes quantity string ("2Gi", "512M")."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"(\d+)([a-zA-Z]*)", value.strip()) if isinstance(value, str) else None
+    if not m or m.group(2) not in _QUANTITY_UNITS:
+        raise InvalidSpec(f"{path} must be a byte count or a quantity such as 512Mi or 2Gi, got {value!r}")
+    return int(m.group(1)) * _QUANTITY_UNITS[m.group(2)]
+
+
+def _kv_transfer(value: Any) -> tuple[str, SharedMemorySpec]:
+    path = "spec.kvTransfer"
+    src = _obj(value, path)
+    if src.get("transport") == "rdma":
+        raise InvalidSpec(f"{path}.transport: rdma is not implemented in this release (no UCX or NIXL); use grpc, "
+                          f"and {path}.sharedMemory for prefill and decode pods on one node")
+    transport = _enum(src, "transport", path, TRANSPORTS)
+    shm_src = _obj(src.get("sharedMemory"), f"{path}.sharedMemory")
+    if not shm_src:
+        return transport, SharedMemorySpec()
+    size = _bytes(shm_src.get("size", 0), f"{path}.sharedMemory.size")
+    if 0 < size < MIN_SHM_BYTES:
+        raise InvalidSpec(f"{path}.sharedMemory.size must be 0 (off) or at least 1Mi, got {size} bytes")
+    host_path = shm_src.get("hostPath", "/dev/shm")
+    if not isinstance(host_path, str) or not host_path.startswith("/"):
+        raise InvalidSpec(f"{path}.sharedMemory.hostPath must be an absolute path on the node, got {host_path!r}")
+    return transport, SharedMemorySpec(size_bytes=size, host_path=host_path)
+
+
 def _secret_ref(value: Any, path: str, default_key: str) -> SecretRef | None:
     if value is None:
         return None
@@ -195,13 +242,15 @@ def parse_spec(spec: Mapping[str, Any] | None, resource_name: str) -> InferenceS
     if redis_url is not None and not re.match(r"^rediss?://", str(redis_url)):
         raise InvalidSpec(f"spec.redis.url must start with redis:// or rediss://, got {redis_url!r}")
     tenants = _obj(spec.get("tenants"), "spec.tenants")
+    transport, shared_memory = _kv_transfer(spec.get("kvTransfer"))
     return InferenceServiceSpec(
         model=model,
         prefill=_role(spec.get("prefill"), "spec.prefill"),
         decode=_role(spec.get("decode"), "spec.decode"),
         gateway=_role(spec.get("gateway"), "spec.gateway"),
         autoscaling=autoscaling,
-        transport=_enum(_obj(spec.get("kvTransfer"), "spec.kvTransfer"), "transport", "spec.kvTransfer", TRANSPORTS),
+        transport=transport,
+        shared_memory=shared_memory,
         tenants_secret=_secret_ref(tenants.get("secretRef"), "spec.tenants.secretRef", "tenants.yaml"),
         redis_url=redis_url,
         redis_secret=redis_secret,

@@ -87,6 +87,30 @@ def test_role_placement_and_resources_are_passed_through():
     assert spec["containers"][0]["env"][-1] == {"name": "X", "value": "1"}
 
 
+def test_shared_memory_plane_mounts_the_node_directory_and_pairs_prefill_with_decode_nodes():
+    objs = children({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": "2Gi", "hostPath": "/mnt/kv"}},
+                     "prefill": {"nodeSelector": {"pool": "a"}}})
+    decode, prefill = pod(objs, "decode"), pod(objs, "prefill")
+    args = decode["containers"][0]["args"]
+    assert args[args.index("--kv-shm-bytes") + 1] == str(2 * 2**30)
+    assert args[args.index("--kv-shm-dir") + 1] == "/kv-shm"
+    assert "--kv-shm-bytes" not in prefill["containers"][0]["args"]  # prefill only opens what decode offers
+    for spec in (decode, prefill):
+        assert spec["volumes"] == [{"name": "kv-shm", "hostPath": {"path": "/mnt/kv", "type": "Directory"}}]
+        assert spec["containers"][0]["volumeMounts"] == [{"name": "kv-shm", "mountPath": "/kv-shm"}]
+    (term,) = prefill["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"] == {"labelSelector": {"matchLabels": {c.LABEL_INSTANCE: "demo",
+                                                                          c.LABEL_COMPONENT: "decode"}},
+                                       "topologyKey": "kubernetes.io/hostname"}
+    assert prefill["nodeSelector"] == {"pool": "a"} and "affinity" not in decode
+    # Off by default, and with size 0: no volume, no flag, no affinity.
+    for kv in ({}, {"sharedMemory": {"size": 0}}):
+        plain = children({"model": {"uri": "/m"}, "kvTransfer": kv})
+        for role in ("prefill", "decode"):
+            assert "volumes" not in pod(plain, role) and "affinity" not in pod(plain, role)
+            assert "--kv-shm-bytes" not in pod(plain, role)["containers"][0]["args"]
+
+
 def test_replicas_fixed_roles_follow_spec_autoscaled_roles_keep_live_count_within_bounds():
     spec = {"model": {"uri": "/m"}, "prefill": {"replicas": 2, "minReplicas": 0, "maxReplicas": 5},
             "gateway": {"replicas": 3, "minReplicas": 1, "maxReplicas": 3}}

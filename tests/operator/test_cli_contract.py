@@ -13,7 +13,8 @@ from kvrelay.operator.spec import parse_spec
 from kvrelay import cli
 
 SPEC = {"model": {"uri": "/models/m", "name": "m", "dtype": "float32", "quantization": "int8"},
-        "tenants": {"secretRef": {"name": "t"}}, "redis": {"url": "redis://r:6379/0"}}
+        "tenants": {"secretRef": {"name": "t"}}, "redis": {"url": "redis://r:6379/0"},
+        "kvTransfer": {"sharedMemory": {"size": "1Gi"}}}
 
 
 def role_parser(role: str) -> argparse.ArgumentParser:
@@ -42,3 +43,5 @@ def test_pod_arguments_parse(role):
     else:
         assert parsed.model == "/models/m" and parsed.port == 50051 and parsed.metrics_port == 9090
         assert parsed.dtype == "float32" and parsed.quantization == "int8"
+        if role == "decode":
+            assert parsed.kv_shm_bytes == 2**30 and parsed.kv_shm_dir == "/kv-shm"

@@ -39,7 +39,7 @@ def test_schema_requires_model_uri_and_validates_replica_bounds():
         rules = [v["rule"] for v in spec["properties"][role]["x-kubernetes-validations"]]
         assert "self.minReplicas <= self.maxReplicas" in rules
     assert spec["properties"]["model"]["properties"]["dtype"]["enum"] == ["auto", "float32", "float16", "bfloat16"]
-    assert spec["properties"]["kvTransfer"]["properties"]["transport"]["enum"] == ["grpc", "rdma"]
+    assert spec["properties"]["kvTransfer"]["properties"]["transport"]["enum"] == ["grpc"]
 
 
 def test_operator_defaults_equal_the_crd_defaults():
@@ -85,10 +85,27 @@ def test_schema_and_operator_both_reject(bad, field):
     ({"model": {"uri": "/m"}, "redis": {"url": "redis://r", "secretRef": {"name": "s"}}}, "not both"),
     ({"model": {"uri": "/m"}, "redis": {"url": "http://r"}}, "redis://"),
     ({"model": {"uri": "/m"}, "gateway": "big"}, "spec.gateway must be an object"),
+    ({"model": {"uri": "/m"}, "kvTransfer": {"transport": "rdma"}}, "rdma is not implemented"),
+    ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": "1.5Gi"}}}, "quantity such as 512Mi"),
+    ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": "2Gb"}}}, "quantity such as 512Mi"),
+    ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": 4096}}}, "at least 1Mi"),
+    ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": "1Gi", "hostPath": "shm"}}},
+     "sharedMemory.hostPath must be an absolute path"),
 ])
 def test_invalid_specs_name_the_field(bad, message):
     with pytest.raises(InvalidSpec, match=re.escape(message)):
         parse_spec(bad, "x")
+
+
+@pytest.mark.parametrize("size, want", [("512Mi", 512 * 2**20), ("2Gi", 2 * 2**30), ("1G", 10**9),
+                                        (1048576, 2**20), (0, 0)])
+def test_shared_memory_sizes_are_quantities_and_defaults_match_the_crd(size, want):
+    body = {"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": size}}}
+    assert validate({"apiVersion": "kvrelay.dev/v1alpha1", "kind": c.KIND, "metadata": {}, "spec": body}, SCHEMA) == []
+    raw = parse_spec(body, "x")
+    assert raw == parse_spec(apply_defaults(body, SCHEMA["properties"]["spec"]), "x")
+    assert raw.shared_memory.size_bytes == want and raw.shared_memory.host_path == "/dev/shm"
+    assert raw.shared_memory.enabled == (want > 0)
 
 
 def test_unknown_field_is_reported_by_the_schema():
