@@ -137,6 +137,9 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
 
 def _role_env(role: str, spec: InferenceServiceSpec, config: OperatorConfig) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": "KVRELAY_ROLE", "value": role}]
+    if role in c.WORKER_ROLES:
+        # Published on the load stream: the gateway pairs prefill and decode pods on one node.
+        env.append({"name": c.NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
     if role == "gateway":
         if spec.redis_secret:
             env.append({"name": "KVRELAY_REDIS_URL", "valueFrom": {"secretKeyRef": {

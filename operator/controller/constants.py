@@ -38,6 +38,7 @@ TENANTS_MOUNT_DIR = "/etc/kvrelay/tenants"
 KV_SHM_MOUNT_DIR = "/kv-shm"  # where prefill and decode pods mount spec.kvTransfer.sharedMemory.hostPath
 KV_SHM_VOLUME = "kv-shm"
 NODE_HOSTNAME_LABEL = "kubernetes.io/hostname"
+NODE_NAME_ENV = "KVRELAY_NODE_NAME"  # worker env from the pod's spec.nodeName (kvrelay.kvtransfer.worker_base)
 
 # Prometheus metrics the autoscaler reads (see services/gateway and the workers' /metrics).
 METRIC_GATEWAY_QUEUE_DEPTH = "kvrelay:gateway_queue_depth"  # labels: model, role="prefill"|"decode"

@@ -62,6 +62,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
             self.metrics.track_shm_arena(self.arena)
         self.transport = transport or GrpcKVTransport(self.layout, self.options.max_message_bytes,
                                                       self.options.handoff_timeout_s, self.arena)
+        self.load.kv_shm = self.arena is not None
         self._requests: dict[str, _Request] = {}
 
     def add_services(self, server: grpc.aio.Server) -> None:

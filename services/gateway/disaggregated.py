@@ -1,9 +1,10 @@
 """The backend over prefill and decode workers (`kvrelay gateway`, `kvrelay serve --disaggregated`).
 
-For each request: pick a decode worker by load, pick prefill workers by prefix affinity and
-load (`routing.WorkerPool`), and call the decode worker's Generate with that prefill list
-(the decode worker pulls the KV from the first prefill worker that succeeds). A decode worker
-that fails before the first token (unreachable, no capacity) is retried on another one.
+For each request: pick a decode worker by load, pick prefill workers by prefix affinity, the
+decode worker's node (when it offers shared memory) and load (`routing.WorkerPool`), and call
+the decode worker's Generate with that prefill list (the decode worker pulls the KV from the
+first prefill worker that succeeds). A decode worker that fails before the first token
+(unreachable, no capacity) is retried on another one.
 
 Each worker's load stream (`kvrelay.kvtransfer.client.watch_load`) feeds the pools; a broken
 stream ejects the worker at once, a silent one after `eject_after_s`.
@@ -98,7 +99,7 @@ class DisaggregatedBackend:
                 async for r in watch_load(address, self.load_interval_s):
                     pool.report(address, num_waiting=r.num_waiting, num_running=r.num_running,
                                 kv_blocks_free=r.kv_blocks_free, kv_blocks_total=r.kv_blocks_total,
-                                cached_blocks=r.prefix_hashes_current)
+                                cached_blocks=r.prefix_hashes_current, node=r.node, kv_shm=r.kv_shm)
                     self._reported_max_len = r.max_model_len
                     self._reported_model_id = r.layout.model_id
                     self._block_size = r.layout.block_size
@@ -161,7 +162,8 @@ class DisaggregatedBackend:
                 break
             prefills = []
             for _ in range(PREFILL_CANDIDATES):
-                p = self.prefill.pick_prefill(hashes, exclude=[w.address for w in prefills])
+                p = self.prefill.pick_prefill(hashes, exclude=[w.address for w in prefills],
+                                              node=decode.node if decode.kv_shm else "")
                 if p is None:
                     break
                 prefills.append(p)

@@ -10,6 +10,9 @@
   Otherwise the prompt's leading block hash picks a worker by consistent hashing with bounded
   load, so the same prefix keeps landing where its KV is cached while no worker takes more
   than `load_bound` x the average load.
+- Node pairing: for a decode worker that offers a shared-memory arena (`--kv-shm-bytes`), a
+  prefill worker on its node (both publish `node`) comes next after prefix-cache affinity, so
+  the K/V skips the network; only such a worker under the load bound qualifies.
 - Decode choice: by load (waiting, running, free KV blocks).
 - Retry: the caller passes the workers that already failed this request in `exclude`.
 
@@ -59,6 +62,8 @@ class Worker:
     kv_blocks_total: int = 0
     cached_blocks: set[int] = field(default_factory=set)  # block hashes the worker published
     inflight: int = 0  # requests this gateway has on it now
+    node: str = ""  # the node it runs on, as published; "" when unknown
+    kv_shm: bool = False  # decode: offers a shared-memory arena to prefill workers on its node
 
     @property
     def load(self) -> int:
@@ -88,7 +93,8 @@ class WorkerPool:
         self._ring = sorted((_point(f"{a}#{i}"), a) for a in self.workers for i in range(VIRTUAL_NODES))
 
     def report(self, address: str, *, num_waiting: int, num_running: int, kv_blocks_free: int,
-               kv_blocks_total: int, cached_blocks: Iterable[int] | None = None) -> None:
+               kv_blocks_total: int, cached_blocks: Iterable[int] | None = None, node: str = "",
+               kv_shm: bool = False) -> None:
         """A load report from a worker's stream; it also proves the worker is alive."""
         w = self.workers.get(address)
         if w is None:
@@ -96,6 +102,7 @@ class WorkerPool:
         w.last_report = self.clock()
         w.num_waiting, w.num_running = num_waiting, num_running
         w.kv_blocks_free, w.kv_blocks_total = kv_blocks_free, kv_blocks_total
+        w.node, w.kv_shm = node, kv_shm
         if cached_blocks is not None:
             w.cached_blocks = set(cached_blocks)
 
@@ -110,7 +117,8 @@ class WorkerPool:
         total = sum(w.load for w in candidates) + 1  # counting the request being placed
         return max(1, math.ceil(self.load_bound * total / len(candidates)))
 
-    def pick_prefill(self, hashes: list[int], exclude: Iterable[str] = ()) -> Worker | None:
+    def pick_prefill(self, hashes: list[int], exclude: Iterable[str] = (), node: str = "") -> Worker | None:
+        """node: the chosen decode worker's node when it offers shared memory ("" otherwise)."""
         candidates = self.live(exclude)
         if not candidates:
             return None
@@ -127,7 +135,12 @@ class WorkerPool:
                 best, best_overlap = w, overlap
         if best is not None:
             return best
-        # 2. consistent hashing on the leading block, skipping workers over the load bound
+        # 2. the decode worker's node, where the K/V goes through shared memory
+        if node:
+            local = [w for w in candidates if w.node == node and w.load < bound]
+            if local:
+                return min(local, key=lambda w: (w.load, w.address))
+        # 3. consistent hashing on the leading block, skipping workers over the load bound
         if hashes:
             allowed = {w.address: w for w in candidates}
             start = bisect.bisect(self._ring, (hashes[0] & (2**64 - 1), ""))
@@ -136,7 +149,7 @@ class WorkerPool:
                 w = allowed.get(address)
                 if w is not None and w.load < bound:
                     return w
-        # 3. no prefix to be affine to (or everyone over the bound): least loaded
+        # 4. no prefix to be affine to (or everyone over the bound): least loaded
         return min(candidates, key=lambda w: (w.load, w.address))
 
     def pick_decode(self, exclude: Iterable[str] = ()) -> Worker | None:

@@ -39,6 +39,8 @@ class LoadReport:
     sequence: int
     draining: bool
     prefix_hashes_current: set[int] = field(default_factory=set)
+    node: str = ""  # where the worker runs; "" when unknown
+    kv_shm: bool = False  # decode side: offers a shared-memory arena to prefill workers on its node
 
     @property
     def kv_usage(self) -> float:
@@ -68,7 +70,7 @@ class LoadReport:
             prefix_cache_queries=m.prefix_cache_queries, prefix_cache_hits=m.prefix_cache_hits,
             prefix_digest=m.prefix_digest,
             prefix_hashes=set(m.prefix_hashes) if m.prefix_hashes_included else None,
-            sequence=m.sequence, draining=m.draining,
+            sequence=m.sequence, draining=m.draining, node=m.node, kv_shm=m.kv_shm,
         )
 
 
@@ -80,8 +82,10 @@ def prefix_digest(hashes: list[int]) -> int:
 
 class LoadServicer(load_pb2_grpc.LoadServiceServicer):
     def __init__(self, role: str, engine, layout: KVLayout, active_handoffs: Callable[[], int],
-                 default_interval_s: float = DEFAULT_INTERVAL_S):
+                 default_interval_s: float = DEFAULT_INTERVAL_S, node: str = "", kv_shm: bool = False):
         self.role = role
+        self.node = node
+        self.kv_shm = kv_shm
         self.engine = engine
         self.layout = layout
         self.active_handoffs = active_handoffs
@@ -106,7 +110,8 @@ class LoadServicer(load_pb2_grpc.LoadServiceServicer):
                 num_waiting=stats.num_waiting, num_running=stats.num_running,
                 kv_blocks_total=stats.kv_blocks_total, kv_blocks_free=stats.kv_blocks_free,
                 active_handoffs=self.active_handoffs(), prefix_cache_queries=stats.prefix_cache_queries,
-                prefix_cache_hits=stats.prefix_cache_hits, sequence=seq, draining=self.draining)
+                prefix_cache_hits=stats.prefix_cache_hits, sequence=seq, draining=self.draining,
+                node=self.node, kv_shm=self.kv_shm)
             if hashes is not None:
                 digest = prefix_digest(hashes)
                 msg.prefix_digest = digest

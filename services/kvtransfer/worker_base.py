@@ -24,12 +24,16 @@ from kvrelay.v1 import load_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+NODE_NAME_ENV = "KVRELAY_NODE_NAME"
+
+
 @dataclass
 class WorkerOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # bound on every gRPC message, KV chunks included
     model_revision: str | None = None  # None: fingerprint of config + weights
     metrics_port: int | None = None  # serve /metrics here (prometheus_client); None: off
     load_interval_s: float = 0.5  # default period of the load stream
+    node_name: str = ""  # the node this worker runs on, published on the load stream ("": unknown)
     # prefill side
     lease_seconds: float = 30.0  # held blocks without progress or ack are freed after this
     layer_group_size: int = 0  # layers per streamed group; 0: a quarter of the layers
@@ -54,6 +58,10 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
                         help="largest gRPC message, KV chunks included (default 4MiB)")
     parser.add_argument("--model-revision", default=None,
                         help="revision checked in every KV hand-off (default: fingerprint of config and weights)")
+    parser.add_argument("--node-name", default=os.environ.get(NODE_NAME_ENV, d.node_name),
+                        help=f"the node this worker runs on, published to the gateway, which pairs prefill "
+                             f"and decode workers on one node for the shared-memory data plane (default: "
+                             f"${NODE_NAME_ENV}, set by the operator from the pod's spec.nodeName)")
     if role == "prefill":
         parser.add_argument("--kv-lease-seconds", dest="lease_seconds", type=float, default=d.lease_seconds,
                             help="free held KV blocks if the decode worker neither reads nor acknowledges "
@@ -89,7 +97,8 @@ class WorkerBase:
         self.layout = KVLayout.of_engine(engine.engine, self.options.model_revision)
         plan_chunks(self.layout, 0, 1, 1, self.options.max_message_bytes)  # ValueError: one block must fit
         self.metrics = WorkerMetrics(engine)
-        self.load = LoadServicer(self.role, engine, self.layout, self.active_handoffs, self.options.load_interval_s)
+        self.load = LoadServicer(self.role, engine, self.layout, self.active_handoffs, self.options.load_interval_s,
+                                 node=self.options.node_name)
         self.server: grpc.aio.Server | None = None
         self._metrics_server = None
         self.port: int | None = None

@@ -125,6 +125,13 @@ class GatewayProcess:
             time.sleep(0.1)
         raise RuntimeError(f"gateway not ready after {timeout} s; see {self.log.name}")
 
+    def metric(self, series: str) -> float:
+        """One series' value from the worker's /metrics (0 when absent), e.g. 'name{label="x"}'."""
+        import httpx
+
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.rsplit(" ", 1)[0] == series)
+
     def kill(self) -> None:
         self.proc.kill()  # SIGKILL: no cleanup runs
         self.proc.wait(10)
@@ -143,7 +150,7 @@ class GatewayProcess:
 class WorkerProcess:
     """A real `kvrelay prefill|decode` worker on a free loopback port."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, *extra: str) -> None:
         import sys
         import tempfile
         import threading
@@ -152,7 +159,7 @@ class WorkerProcess:
         self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in stop()
         self.metrics_port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", "0",
-                                      "--metrics-port", str(self.metrics_port)],
+                                      "--metrics-port", str(self.metrics_port), *extra],
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True)
         self.address = None
         for line in self.proc.stdout:
@@ -171,6 +178,13 @@ class WorkerProcess:
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("kvrelay:generation_tokens_total"))
+
+    def metric(self, series: str) -> float:
+        """One series' value from the worker's /metrics (0 when absent), e.g. 'name{label="x"}'."""
+        import httpx
+
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.rsplit(" ", 1)[0] == series)
 
     def kill(self) -> None:
         self.proc.kill()

@@ -164,3 +164,38 @@ def test_serve_disaggregated_hands_kv_over_shared_memory(own_tmp):
     while any(a.exists() for a in arenas):
         assert time.monotonic() < deadline, "the decode worker outlived `kvrelay serve` or left its arena"
         time.sleep(0.1)
+
+
+def test_gateway_pairs_a_shared_memory_decode_worker_with_a_prefill_worker_on_its_node(own_tmp):
+    """Workers publish their node; a decode worker with an arena gets the prefill worker on its
+    node (not the ring's choice), so every hand-off goes through shared memory."""
+    started = []
+    try:
+        for role, *extra in (("prefill", "--node-name", "node-a"), ("prefill", "--node-name", "node-b"),
+                             ("decode", "--node-name", "node-b", "--kv-shm-bytes", "8MiB",
+                              "--kv-shm-dir", str(own_tmp))):
+            started.append(WorkerProcess(role, *extra))
+        far, near, decode = started
+        backend = DisaggregatedBackend(f"{far.address},{near.address}", decode.address, str(BUNDLED_MODEL))
+        gw = InProcessGateway(backend=backend)
+        try:
+            deadline = time.monotonic() + 30
+            while len(backend.prefill.live()) < 2 or not backend.decode.live():
+                assert time.monotonic() < deadline, "workers never reported their load"
+                time.sleep(0.05)
+            (d,) = backend.decode.live()
+            assert (d.node, d.kv_shm) == ("node-b", True)
+            assert {w.node for w in backend.prefill.live()} == {"node-a", "node-b"}
+            client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+            prompts = [f"Once upon a time there was a {w} who lived in a big {p}"
+                       for w in ("cat", "dog", "girl", "boy") for p in ("house", "tree")]
+            for prompt in prompts:  # distinct prefixes: the ring alone would spread them over both
+                client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        finally:
+            gw.stop()
+        accepted = 'kvrelay:kv_shm_offers_total{outcome="accepted"}'
+        assert near.metric(accepted) == len(prompts)
+        assert far.metric(accepted) == 0 and far.metric('kvrelay:kv_handoffs_total{outcome="ack"}') == 0
+    finally:
+        for w in started:
+            w.stop()

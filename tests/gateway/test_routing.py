@@ -64,6 +64,28 @@ def test_published_cached_blocks_win_over_the_ring():
     assert pool.pick_prefill(hashes).address == holder.address
 
 
+def test_a_decode_worker_offering_shared_memory_gets_a_prefill_worker_on_its_node():
+    pool = pool_with(4)
+    hashes = block_hashes(list(range(64)), 16)
+    ring_choice = pool.pick_prefill(hashes)
+    local, *others = [w for w in pool.workers.values() if w.address != ring_choice.address]
+    for w in pool.workers.values():
+        pool.report(w.address, num_waiting=0, num_running=0, kv_blocks_free=100, kv_blocks_total=100,
+                    node="node-b" if w is local else "node-a")
+    assert pool.pick_prefill(hashes, node="node-b").address == local.address
+    assert pool.pick_prefill(hashes).address == ring_choice.address  # no shared memory: the ring as before
+    assert pool.pick_prefill(hashes, node="node-c").address == ring_choice.address  # nobody there
+    assert pool.pick_prefill(hashes, exclude=[local.address], node="node-b").address == ring_choice.address
+    local.inflight = 10  # over the load bound: not worth the saved copy
+    assert pool.pick_prefill(hashes, node="node-b").address != local.address
+    local.inflight = 0
+    # A published prefix cache still wins: a prefill it skips saves more than the network does.
+    holder = others[0]
+    pool.report(holder.address, num_waiting=0, num_running=0, kv_blocks_free=50, kv_blocks_total=100,
+                cached_blocks=hashes[:2], node="node-a")
+    assert pool.pick_prefill(hashes, node="node-b").address == holder.address
+
+
 def test_decode_by_load_and_free_kv():
     pool = pool_with(3, "decode")
     a, b, c = pool.workers

@@ -103,6 +103,9 @@ def test_shared_memory_plane_mounts_the_node_directory_and_pairs_prefill_with_de
                                                                           c.LABEL_COMPONENT: "decode"}},
                                        "topologyKey": "kubernetes.io/hostname"}
     assert prefill["nodeSelector"] == {"pool": "a"} and "affinity" not in decode
+    for spec in (decode, prefill):  # workers publish their node; the gateway pairs on it
+        assert {"name": "KVRELAY_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in (
+            spec["containers"][0]["env"])
     # Off by default, and with size 0: no volume, no flag, no affinity.
     for kv in ({}, {"sharedMemory": {"size": 0}}):
         plain = children({"model": {"uri": "/m"}, "kvTransfer": kv})

@@ -45,3 +45,14 @@ def test_pod_arguments_parse(role):
         assert parsed.dtype == "float32" and parsed.quantization == "int8"
         if role == "decode":
             assert parsed.kv_shm_bytes == 2**30 and parsed.kv_shm_dir == "/kv-shm"
+
+
+def test_worker_node_name_comes_from_the_environment_the_operator_sets(monkeypatch):
+    from kvrelay.kvtransfer.worker_base import NODE_NAME_ENV
+    from kvrelay.operator import constants as c
+
+    assert c.NODE_NAME_ENV == NODE_NAME_ENV
+    monkeypatch.setenv(NODE_NAME_ENV, "node-7")
+    for role in ("prefill", "decode"):
+        assert role_parser(role).parse_args(["--port", "1"]).node_name == "node-7"
+

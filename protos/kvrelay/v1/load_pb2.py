@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvrelay.v1 import kv_pb2 as kvrelay_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvrelay/v1/load.proto\x12\nkvrelay.v1\x1a\x13kvrelay/v1/kv.proto\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xf6\x02\n\nLoadReport\x12\x0c\n\x04role\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvrelay.v1.KVLayout\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x17\n\x0f\x61\x63tive_handoffs\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x15\n\rprefix_digest\x18\x0b \x01(\x06\x12\x1e\n\x16prefix_hashes_included\x18\x0c \x01(\x08\x12\x15\n\rprefix_hashes\x18\r \x03(\x06\x12\x10\n\x08sequence\x18\x0e \x01(\x04\x12\x10\n\x08\x64raining\x18\x0f \x01(\x08\x32R\n\x0bLoadService\x12\x43\n\tWatchLoad\x12\x1c.kvrelay.v1.WatchLoadRequest\x1a\x16.kvrelay.v1.LoadReport0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvrelay/v1/load.proto\x12\nkvrelay.v1\x1a\x13kvrelay/v1/kv.proto\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\x94\x03\n\nLoadReport\x12\x0c\n\x04role\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvrelay.v1.KVLayout\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x17\n\x0f\x61\x63tive_handoffs\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x15\n\rprefix_digest\x18\x0b \x01(\x06\x12\x1e\n\x16prefix_hashes_included\x18\x0c \x01(\x08\x12\x15\n\rprefix_hashes\x18\r \x03(\x06\x12\x10\n\x08sequence\x18\x0e \x01(\x04\x12\x10\n\x08\x64raining\x18\x0f \x01(\x08\x12\x0c\n\x04node\x18\x10 \x01(\t\x12\x0e\n\x06kv_shm\x18\x11 \x01(\x08\x32R\n\x0bLoadService\x12\x43\n\tWatchLoad\x12\x1c.kvrelay.v1.WatchLoadRequest\x1a\x16.kvrelay.v1.LoadReport0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHLOADREQUEST']._serialized_start=58
   _globals['_WATCHLOADREQUEST']._serialized_end=97
   _globals['_LOADREPORT']._serialized_start=100
-  _globals['_LOADREPORT']._serialized_end=474
-  _globals['_LOADSERVICE']._serialized_start=476
-  _globals['_LOADSERVICE']._serialized_end=558
+  _globals['_LOADREPORT']._serialized_end=504
+  _globals['_LOADSERVICE']._serialized_start=506
+  _globals['_LOADSERVICE']._serialized_end=588
 # @@protoc_insertion_point(module_scope)
