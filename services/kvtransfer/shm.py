@@ -26,6 +26,7 @@ import mmap
 import os
 import secrets
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,11 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 NONCE_BYTES = 16
-PREFIX = "kvrelay-kv-"  # arena files; a file being created has a name without it
+PREFIX = "kvrelay-kv-"  # arena files
+CREATING_PREFIX = ".creating-kvrelay-kv-"  # an arena until it is locked and sized
+# A file still under its creating name this long after its last change lost its creator (killed
+# mid-creation); younger ones may be between their creation and their lock, microseconds apart.
+CREATING_GRACE_S = 60.0
 DATA_START = 4096  # the nonce lives in the first page; regions start after it
 ALIGN = 4096  # regions start on page boundaries
 # Page tables filled at map time: no page fault per 4 KiB on a region's first use in each process.
@@ -61,7 +66,7 @@ class ShmArena:
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         # Created under another name and locked before it gets the arena name, so another
         # worker's sweep never sees it unlocked.
-        creating = Path(directory) / f".creating-{name}"
+        creating = Path(directory) / f"{CREATING_PREFIX}{name}"
         fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -126,7 +131,9 @@ def remove_stale_arenas(directory: str | Path) -> list[Path]:
     killed); returns them. A live arena's owner holds an exclusive flock on it, which this
     probe cannot take."""
     removed = []
-    for path in sorted(Path(directory).glob(f"{PREFIX}*")):
+    directory = Path(directory)
+    creating = [p for p in directory.glob(f"{CREATING_PREFIX}*") if _age_s(p) > CREATING_GRACE_S]
+    for path in sorted(directory.glob(f"{PREFIX}*")) + creating:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -144,6 +151,13 @@ def remove_stale_arenas(directory: str | Path) -> list[Path]:
         finally:
             os.close(fd)
     return removed
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 class ShmOpener:

@@ -5,9 +5,11 @@ where chunks claim to lie, and the arena fully free again after every hand-off, 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,15 @@ from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer.client import DecodeClient
 from kvrelay.kvtransfer.errors import ChunkError
-from kvrelay.kvtransfer.shm import DATA_START, Region, ShmArena, ShmOpener, remove_stale_arenas
+from kvrelay.kvtransfer.shm import (
+    CREATING_GRACE_S,
+    CREATING_PREFIX,
+    DATA_START,
+    Region,
+    ShmArena,
+    ShmOpener,
+    remove_stale_arenas,
+)
 from kvrelay.kvtransfer.transport import _ShmReader
 from kvrelay.kvtransfer.worker_base import WorkerOptions
 from kvrelay.v1 import kv_pb2
@@ -232,6 +242,13 @@ def test_arena_of_a_killed_decode_worker_is_removed_by_the_next_one(tmp_path):
             p.wait()
     assert remove_stale_arenas(tmp_path) == [live]
     assert list(tmp_path.iterdir()) == []
+    # Killed while creating (sizing a large arena takes a while): swept once clearly abandoned.
+    fresh, old = tmp_path / (CREATING_PREFIX + "1-a"), tmp_path / (CREATING_PREFIX + "2-b")
+    for p in (fresh, old):
+        p.write_bytes(b"x")
+    os.utime(old, (time.time() - 2 * CREATING_GRACE_S,) * 2)
+    assert remove_stale_arenas(tmp_path) == [old]
+    assert fresh.exists()  # may be microseconds from its creator's lock
 
 
 def test_opener_maps_only_the_offered_file_and_region(tmp_path):
