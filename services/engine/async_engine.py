@@ -36,6 +36,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: BaseException | None = None
+        self._died: asyncio.Event | None = None  # set on the loop once the step loop crashed
         self._stats = self.engine.stats()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -44,6 +45,7 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self._died = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
         self._thread.start()
 
@@ -57,6 +59,13 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._dead is None
+
+    async def wait_dead(self) -> BaseException:
+        """The error that stopped the step loop, once it has (waits forever while it runs)."""
+        if self._died is None:
+            await self.start()
+        await self._died.wait()
+        return self._dead
 
     def call_in_engine_thread(self, fn: Callable[[LLMEngine], object]) -> asyncio.Future:
         """Run fn(engine) on the engine thread between steps; await the returned future for its result."""
@@ -237,6 +246,7 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
             stream.put_nowait(error)
+        self._died.set()
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -162,6 +162,24 @@ async def serve_forever(worker_cls, args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(f"kvrelay {worker.role} listening on {args.host}:{port} model={worker.layout.describe()}", flush=True)
-    await stop.wait()
-    await worker.stop(grace_s=5.0)
-    return 0
+    return await run_until_stopped(worker, stop)
+
+
+async def run_until_stopped(worker: WorkerBase, stop: asyncio.Event, grace_s: float = 5.0) -> int:
+    """Serve until stop is set (returns 0) or the engine's step loop crashes (returns 1).
+
+    A worker whose engine died would keep its port open and fail every request sent to it, and
+    its tcpSocket readiness probe would keep passing. Exiting instead breaks its load stream, so
+    gateways drop it at once and retry its requests elsewhere, and Kubernetes restarts it."""
+    stopped = asyncio.create_task(stop.wait())
+    dead = asyncio.create_task(worker.engine.wait_dead())
+    await asyncio.wait((stopped, dead), return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if dead.done():
+        log.error("kvrelay %s: the engine stopped after an error (%r); exiting so that the worker is restarted",
+                  worker.role, dead.result())
+        code, grace_s = 1, min(grace_s, 1.0)
+    for task in (stopped, dead):
+        task.cancel()
+    await worker.stop(grace_s=grace_s)
+    return code

@@ -12,7 +12,7 @@ import pytest
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer.client import DecodeClient, watch_load
 from kvrelay.kvtransfer.errors import LayoutMismatchError, NoCapacityError, WorkerUnavailableError
-from kvrelay.kvtransfer.worker_base import WorkerOptions
+from kvrelay.kvtransfer.worker_base import WorkerOptions, run_until_stopped
 from pd_helpers import (
     assert_all_free,
     assert_worker_free,
@@ -289,6 +289,45 @@ async def test_unreachable_workers_fail_fast_or_fall_back():
                 await asyncio.wait_for(_tokens(nobody.generate(PROMPT[:60], GREEDY)), 20)
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
     finally:
+        await stop_pair(pair)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_worker_whose_engine_dies_leaves_instead_of_failing_every_request(role):
+    """The step loop crashes: the worker stops serving and its runner returns exit code 1 (the
+    pod restarts), its load stream breaks (gateways drop it at once), and nothing is stranded."""
+    pair = await start_pair()
+    worker = getattr(pair, role)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(run_until_stopped(worker, stop))
+    try:
+        want = await reference_tokens(PROMPT[:60], GREEDY)
+        loads = watch_load(pair.prefill_addr if role == "prefill" else pair.decode_addr, interval_s=0.05)
+        await anext(loads)
+
+        def crash():
+            raise RuntimeError("injected step failure")
+
+        worker.engine.engine.step = crash
+        stream = pair.client.generate(PROMPT[:60], GREEDY, prefill_addr=pair.prefill_addr)
+        if role == "prefill":  # the decode worker falls back to a local prefill
+            assert await asyncio.wait_for(_tokens(stream), 20) == want
+        else:
+            with pytest.raises(WorkerUnavailableError, match="engine stopped"):
+                await asyncio.wait_for(_tokens(stream), 20)
+        assert await asyncio.wait_for(runner, 10) == 1
+        assert not stop.is_set()
+        with pytest.raises(WorkerUnavailableError):
+            async for _ in loads:
+                pass
+        async with DecodeClient(pair.decode_addr if role == "decode" else pair.prefill_addr) as gone:
+            with pytest.raises(WorkerUnavailableError):
+                await asyncio.wait_for(_tokens(gone.generate(PROMPT[:60], GREEDY)), 20)
+        survivor = pair.decode if role == "prefill" else pair.prefill
+        await assert_all_free(survivor.engine)
+    finally:
+        stop.set()
+        await asyncio.gather(runner, return_exceptions=True)
         await stop_pair(pair)
 
 
