@@ -21,6 +21,8 @@ from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStor
 from kvrelay.gateway.tenants import TenantConfigError, TenantRegistry
 from kvrelay.kvtransfer.worker_base import PARENT_PID_ENV
 
+log = logging.getLogger(__name__)
+
 
 def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:
     """Flags shared by `kvrelay serve` and `kvrelay gateway`."""
@@ -51,12 +53,26 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          lease_ttl_s=args.lease_ttl, quota_fail_open=args.quota_failure_policy == "open")
 
 
-def run_app(app, args: argparse.Namespace) -> int:
+def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = ()) -> int:
+    """Serve app until SIGTERM/SIGINT (returns 0) or until a process in watch exits (returns 1):
+    `serve --disaggregated` without its local worker would only answer 503."""
     import uvicorn
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=5)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False, timeout_graceful_shutdown=5))
+    lost: list[str] = []
+
+    def wait_for(role: str, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if not server.should_exit:
+            log.error("kvrelay serve: the local %s worker exited with code %s; stopping", role, code)
+            lost.append(role)
+            server.should_exit = True  # read by uvicorn's main loop on its next tick
+
+    for role, proc in watch:
+        threading.Thread(target=wait_for, args=(role, proc), daemon=True).start()
+    server.run()
+    return 1 if lost else 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,7 +131,8 @@ def run_disaggregated(args: argparse.Namespace) -> int:
         args.dns_refresh = 5.0
         backend = build_backend(args, workers[0][1], workers[1][1])
         gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
-        return run_app(create_app(gateway), args)
+        watch = [("prefill", workers[0][0]), ("decode", workers[1][0])]
+        return run_app(create_app(gateway), args, watch)
     finally:
         for proc, _ in workers:
             proc.terminate()

@@ -166,6 +166,52 @@ def test_serve_disaggregated_hands_kv_over_shared_memory(own_tmp):
         time.sleep(0.1)
 
 
+def _children(pid: int) -> dict[int, str]:
+    """pid -> command line of the processes whose parent is pid."""
+    from pathlib import Path
+
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == pid:
+            found[int(stat.parent.name)] = cmdline
+    return found
+
+
+def test_serve_disaggregated_exits_when_a_local_worker_dies(own_tmp):
+    """Without its decode worker `serve --disaggregated` could only answer 503: it stops, with
+    exit code 1 and a log line naming the worker, and its prefill worker goes with it."""
+    import os
+    import signal
+
+    gw = GatewayProcess(["--host", "127.0.0.1", "--disaggregated"], own_tmp / "serve.log")
+    try:
+        workers = _children(gw.proc.pid)
+        (decode,) = [pid for pid, cmd in workers.items() if " decode " in cmd]
+        (prefill,) = [pid for pid, cmd in workers.items() if " prefill " in cmd]
+        os.kill(decode, signal.SIGKILL)
+        assert gw.proc.wait(30) == 1
+        assert "the local decode worker exited with code -9" in (own_tmp / "serve.log").read_text()
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{prefill}") and "Z" not in _state(prefill):
+            assert time.monotonic() < deadline, "the prefill worker outlived `kvrelay serve`"
+            time.sleep(0.1)
+    finally:
+        gw.stop()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
 def test_gateway_pairs_a_shared_memory_decode_worker_with_a_prefill_worker_on_its_node(own_tmp):
     """Workers publish their node; a decode worker with an arena gets the prefill worker on its
     node (not the ring's choice), so every hand-off goes through shared memory."""
