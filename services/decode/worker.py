@@ -134,7 +134,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
                     finished = False
                     async for out in self.engine.generate_prefilled(
                             ids, params, req.request_id, priority,
-                            lambda blocks, addr=addr: self._load_kv(req, addr, ids, params, priority, blocks)):
+                            lambda blocks, cached, addr=addr: self._load_kv(req, addr, ids, params, priority,
+                                                                            blocks, cached)):
                         finished = out.finished
                         yield out
                     if not finished:  # aborted between the last write and activation
@@ -172,11 +173,13 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
             yield out
 
     async def _load_kv(self, req: _Request, addr: str, ids: list[int], params, priority: int,
-                       block_ids: list[int]):
-        """load_kv of AsyncEngine.generate_prefilled: pull the K/V, return the first token."""
+                       block_ids: list[int], num_cached_blocks: int):
+        """load_kv of AsyncEngine.generate_prefilled: pull the K/V of the blocks after the
+        prefix-cache hits, return the first token."""
         if req.aborted:
             raise RequestAbortedError(f"request {req.request_id} was aborted")
-        dest = KVDestination(block_ids, lambda batch: self._write(req.request_id, block_ids, batch))
+        dest = KVDestination(block_ids, lambda batch: self._write(req.request_id, block_ids, batch),
+                             num_cached_blocks)
         req.handoff_task = asyncio.create_task(
             self.transport.pull(addr, HandoffRequest(req.request_id, ids, params, priority), dest))
         try:

@@ -130,12 +130,13 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         priority: int,
-        load_kv: Callable[[list[int]], Awaitable[tuple[int, TokenLogprob | None]]],
+        load_kv: Callable[[list[int], int], Awaitable[tuple[int, TokenLogprob | None]]],
     ) -> AsyncIterator[RequestOutput]:
         """Decode side of a prefill/decode hand-off; yields like generate() (one sample).
 
         Reserves blocks for the prompt (raises NoFreeBlocksError if they do not fit now: reject,
-        never wait), awaits load_kv(block_ids), which fills them with the prompt's K/V and returns
+        never wait), awaits load_kv(block_ids, num_cached_blocks), which fills block_ids after the
+        first num_cached_blocks (prefix-cache hits, already holding their K/V) and returns
         (first_token, first_logprob), then activates the request (yields nothing if abort() came
         first). load_kv must write only through call_in_engine_thread: a failure or early close
         queues the abort behind those writes, so the blocks are freed only after the last write.
@@ -151,13 +152,15 @@ class AsyncEngine:
         finished_ok = reserve_failed = False
         try:
             try:
-                block_ids = await self.call_in_engine_thread(
-                    lambda llm: list(llm.reserve(prompt_ids, params, request_id, priority).block_table)
-                )
+                def reserve(llm):
+                    seq = llm.reserve(prompt_ids, params, request_id, priority)
+                    return list(seq.block_table), seq.num_registered
+
+                block_ids, num_cached = await self.call_in_engine_thread(reserve)
             except Exception:
                 reserve_failed = True  # nothing allocated; the id may belong to someone else
                 raise
-            first_token, first_logprob = await load_kv(block_ids)
+            first_token, first_logprob = await load_kv(block_ids, num_cached)
 
             def activate(llm):  # None: abort() came first and freed the blocks while the K/V loaded
                 return (

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import torch
-from kvrelay.engine.block_pool import BlockPool
+from kvrelay.engine.block_pool import BlockPool, NoFreeBlocksError
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
@@ -389,6 +389,8 @@ class LLMEngine:
     ) -> Sequence:
         """Decode side: allocate blocks for a prompt whose K/V another worker computed.
 
+        The prompt's leading full blocks found in the prefix cache are shared, not allocated:
+        seq.num_registered of them lead seq.block_table, and only the rest needs the K/V.
         Raises NoFreeBlocksError when the pool cannot hold the prompt now (reject, never wait),
         and InvalidRequestError for bad input. The blocks stay outside scheduling until activate().
         """
@@ -396,8 +398,17 @@ class LLMEngine:
             raise InvalidRequestError("n: a prefilled request carries exactly one sample", field="n")
         self._check_new_id(request_id)
         (seq,) = self.make_request(prompt_ids, params, request_id, priority)
-        need = -(-seq.prompt_len // self.args.block_size)
-        seq.block_table = self.pool.allocate(need)  # raises NoFreeBlocksError
+        bs = self.args.block_size
+        full = seq.prompt_len // bs  # the first token comes from the prefill worker: no block is recomputed
+        self.scheduler.ensure_hashes(seq, full)
+        cached = self.pool.lookup(seq.block_hashes[:full], seq.prompt_len, bs)
+        try:
+            fresh = self.pool.allocate(-(-seq.prompt_len // bs) - len(cached))  # raises NoFreeBlocksError
+        except NoFreeBlocksError:
+            self.pool.free(cached)
+            raise
+        seq.block_table = cached + fresh
+        seq.num_registered = len(cached)
         seq.status = Status.RESERVED
         self.requests[request_id] = [seq]
         self.prompt_tokens_total += seq.prompt_len

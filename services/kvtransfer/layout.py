@@ -117,8 +117,9 @@ class ChunkRange:
 
 
 def plan_chunks(layout: KVLayout, layer_start: int, layer_end: int, num_blocks: int,
-                max_message_bytes: int) -> list[ChunkRange]:
-    """Cut layers [layer_start, layer_end) x all blocks into chunks whose payload fits one message."""
+                max_message_bytes: int, block_start: int = 0) -> list[ChunkRange]:
+    """Cut layers [layer_start, layer_end) x blocks [block_start, num_blocks) into chunks whose
+    payload fits one message."""
     per = layout.bytes_per_block_layer
     budget = max_message_bytes - MESSAGE_OVERHEAD
     if per > budget:
@@ -128,13 +129,14 @@ def plan_chunks(layout: KVLayout, layer_start: int, layer_end: int, num_blocks: 
     layers = layer_end - layer_start
     if layers * per <= budget:  # whole layer range, as many blocks as fit
         step = budget // (layers * per)
-        return [ChunkRange(layer_start, layer_end, b, min(b + step, num_blocks)) for b in range(0, num_blocks, step)]
+        return [ChunkRange(layer_start, layer_end, b, min(b + step, num_blocks))
+                for b in range(block_start, num_blocks, step)]
     layers_per = budget // per  # fewer layers, one block range each
     out = []
     for lo in range(layer_start, layer_end, layers_per):
         hi = min(lo + layers_per, layer_end)
         step = budget // ((hi - lo) * per)
-        out.extend(ChunkRange(lo, hi, b, min(b + step, num_blocks)) for b in range(0, num_blocks, step))
+        out.extend(ChunkRange(lo, hi, b, min(b + step, num_blocks)) for b in range(block_start, num_blocks, step))
     return out
 
 
@@ -169,13 +171,18 @@ class ReceivedChunk:
 
 class ChunkVerifier:
     """Receiver side of one hand-off: verifies each chunk against the expected layout and
-    request size, tracks which (layer, block) slices arrived, and proves completeness."""
+    request size, tracks which (layer, block) slices arrived, and proves completeness.
 
-    def __init__(self, layout: KVLayout, num_tokens: int, num_blocks: int):
+    first_block: the leading blocks the receiver already holds (its prefix cache); chunks must
+    cover exactly blocks [first_block, num_blocks) of every layer."""
+
+    def __init__(self, layout: KVLayout, num_tokens: int, num_blocks: int, first_block: int = 0):
         self.layout = layout
         self.num_tokens = num_tokens
         self.num_blocks = num_blocks
+        self.first_block = first_block
         self.seen = np.zeros((layout.num_layers, num_blocks), dtype=bool)
+        self.seen[:, :first_block] = True  # never sent: a chunk there overlaps and is refused
         self.bytes = 0
 
     def verify(self, chunk: kv_pb2.KVChunk, payload=None) -> tuple[ChunkRange, torch.Tensor]:
@@ -190,10 +197,11 @@ class ChunkVerifier:
         lay = self.layout
         check_layout(lay, KVLayout.from_proto(chunk.layout), "KV chunk")
         r = ChunkRange(chunk.layer_start, chunk.layer_end, chunk.block_start, chunk.block_end)
-        if not (0 <= r.layer_start < r.layer_end <= lay.num_layers and 0 <= r.block_start < r.block_end
-                <= self.num_blocks):
+        if not (0 <= r.layer_start < r.layer_end <= lay.num_layers
+                and self.first_block <= r.block_start < r.block_end <= self.num_blocks):
             raise ChunkError(f"KV chunk range layers [{r.layer_start}, {r.layer_end}) blocks [{r.block_start}, "
-                             f"{r.block_end}) is outside {lay.num_layers} layers x {self.num_blocks} blocks")
+                             f"{r.block_end}) is outside {lay.num_layers} layers x blocks [{self.first_block}, "
+                             f"{self.num_blocks}) expected")
         if chunk.num_tokens != self.num_tokens:
             raise ChunkError(f"KV chunk describes {chunk.num_tokens} tokens, the request has {self.num_tokens}")
         shape = (r.layer_end - r.layer_start, 2, r.block_end - r.block_start, lay.block_size,

@@ -63,6 +63,7 @@ class KVDestination:
 
     block_ids: list[int]
     write: WriteFn  # checks each chunk's checksum and copies it into block_ids (on the engine thread)
+    num_cached_blocks: int = 0  # leading block_ids that already hold their K/V (prefix-cache hits)
 
 
 @dataclass
@@ -122,9 +123,9 @@ class GrpcKVTransport(KVTransport):
     async def pull(self, prefill_addr: str, request: HandoffRequest, dest: KVDestination) -> HandoffResult:
         call = self._prefill_call(prefill_addr)
         region = None
-        if self.arena is not None:
-            # None when the arena is full: inline this time.
-            region = self.arena.allocate(self.layout.bytes_for_blocks(len(dest.block_ids)))
+        nbytes = self.layout.bytes_for_blocks(len(dest.block_ids) - dest.num_cached_blocks)
+        if self.arena is not None and nbytes:
+            region = self.arena.allocate(nbytes)  # None when the arena is full: inline this time
         # The exchange runs in its own task: cancelling a task blocked in call.read() would cancel
         # the RPC before the explicit abort message could go out.
         inner = asyncio.create_task(self._run(call, request, dest, region))
@@ -159,7 +160,8 @@ class GrpcKVTransport(KVTransport):
         start = kv_pb2.PrefillStart(
             request_id=request.request_id, prompt_token_ids=request.prompt_ids,
             params=params_to_proto(request.params), priority=request.priority,
-            expected_layout=self.layout.to_proto(), max_message_bytes=self.max_message_bytes)
+            expected_layout=self.layout.to_proto(), max_message_bytes=self.max_message_bytes,
+            num_cached_blocks=dest.num_cached_blocks)
         if region is not None:
             start.shm.CopyFrom(kv_pb2.ShmRegion(path=str(self.arena.path), nonce=self.arena.nonce,
                                                 offset=region.offset, size=region.size))
@@ -177,7 +179,7 @@ class GrpcKVTransport(KVTransport):
             raise ChunkError("prefill worker chose the shared-memory data plane, which this decode worker did "
                              "not offer")
         shm = _ShmReader(self.arena, region) if header.shm else None
-        verifier = ChunkVerifier(self.layout, header.num_tokens, header.num_blocks)
+        verifier = ChunkVerifier(self.layout, header.num_tokens, header.num_blocks, dest.num_cached_blocks)
         writer = _BatchWriter(dest.write)
         try:
             while True:

@@ -52,6 +52,7 @@ class _Handoff:
     loop: asyncio.AbstractEventLoop
     num_blocks: int
     max_message_bytes: int
+    first_block: int = 0  # the decode worker holds blocks before this one (its prefix cache)
     sent_layers: int = 0  # layers already gathered (engine thread only)
     bytes_sent: int = 0
     bytes_before_compute_done: int = 0
@@ -157,12 +158,17 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             plan_chunks(self.layout, 0, 1, 1, max_msg)
         except ValueError as e:
             await abort_with(context, InvalidRequestError(f"max_message_bytes: {e}", "max_message_bytes"))
+        num_blocks = -(-len(ids) // self.layout.block_size)
+        if start.num_cached_blocks > len(ids) // self.layout.block_size:
+            await abort_with(context, InvalidRequestError(
+                f"num_cached_blocks {start.num_cached_blocks}: the prompt has only {len(ids) // self.layout.block_size} "
+                f"full blocks", "num_cached_blocks"))
         lease = Lease(lease_id=uuid.uuid4().hex, request_id=start.request_id, num_tokens=len(ids),
                       task=asyncio.current_task())
-        h = _Handoff(lease, asyncio.Queue(), asyncio.get_running_loop(),
-                     num_blocks=-(-len(ids) // self.layout.block_size), max_message_bytes=max_msg)
+        h = _Handoff(lease, asyncio.Queue(), asyncio.get_running_loop(), num_blocks=num_blocks,
+                     max_message_bytes=max_msg, first_block=start.num_cached_blocks)
         if start.HasField("shm"):
-            h.shm = self._open_shm(start.shm, h.num_blocks)
+            h.shm = self._open_shm(start.shm, h.num_blocks - h.first_block)
         self.leases.add(lease)
         self._handoffs[lease.lease_id] = h
         reader = asyncio.create_task(self._read_decode_side(it, h))
@@ -189,7 +195,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
 
     def _open_shm(self, offer: kv_pb2.ShmRegion, num_blocks: int) -> np.ndarray | None:
         """The offered region if this worker sees the decode worker's arena file and the region
-        holds the whole prompt; else None, and the K/V goes inline."""
+        holds the num_blocks to send; else None, and the K/V goes inline."""
         if offer.size < self.layout.bytes_for_blocks(num_blocks):
             return None
         region = self.shm.open(offer.path, offer.nonce, offer.offset, offer.size)
@@ -357,7 +363,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
     # ---- engine thread ----------------------------------------------------------------------
 
     def _gather(self, h: _Handoff, block_table: list[int], lo: int, hi: int) -> list[tuple[ChunkRange, Payload]]:
-        ranges = plan_chunks(self.layout, lo, hi, h.num_blocks, h.max_message_bytes)
+        ranges = plan_chunks(self.layout, lo, hi, h.num_blocks, h.max_message_bytes, h.first_block)
         if self.llm.device.type == "cpu":
             # Views of the held blocks: encoding joins them straight into the message, so the
             # sender's CPU (the hand-off's bottleneck on one core) skips a gather copy and the

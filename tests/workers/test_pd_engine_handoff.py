@@ -27,7 +27,7 @@ async def test_failed_attempt_never_leaks_into_a_retry_with_the_same_id():
     try:
         want = [t async for o in engine.generate(PROMPT, PARAMS, "ref") for t in o.new_token_ids]
 
-        async def failing_load(block_ids):
+        async def failing_load(block_ids, num_cached):
             raise LoadFailed
 
         # Other requests keep the engine stepping, so outputs of a loop iteration are dispatched a
@@ -57,7 +57,7 @@ async def test_reserve_rejects_when_the_pool_is_short_and_frees_on_close():
     engine = AsyncEngine(EngineArgs(num_kv_blocks=32))
     await engine.start()
     try:
-        async def never_loads(block_ids):
+        async def never_loads(block_ids, num_cached):
             assert len(block_ids) == 32  # the whole pool
             await engine.call_in_engine_thread(lambda llm: None)
             raise LoadFailed
@@ -66,7 +66,7 @@ async def test_reserve_rejects_when_the_pool_is_short_and_frees_on_close():
             async for _ in engine.generate_prefilled([5] * 500, PARAMS, "big", 0, never_loads):
                 pass
         await engine.call_in_engine_thread(lambda llm: None)
-        held = engine.generate_prefilled([5] * 500, PARAMS, "held", 0, lambda b: _forever())
+        held = engine.generate_prefilled([5] * 500, PARAMS, "held", 0, lambda b, c: _forever())
         task = asyncio.create_task(anext(held))
         await asyncio.sleep(0.2)
         with pytest.raises(NoFreeBlocksError):
@@ -87,3 +87,39 @@ async def _forever():
 async def _drain(gen) -> None:
     async for _ in gen:
         pass
+
+
+async def test_reservation_shares_cached_prefix_blocks_and_gives_them_back():
+    """The prompt's cached full blocks lead the reservation (load_kv fills only the rest); a
+    reservation that does not fit returns the references it took, and the prefix stays cached."""
+    engine = AsyncEngine(EngineArgs(num_kv_blocks=16, max_model_len=256))
+    await engine.start()
+    try:
+        prompt = list(range(20, 84))  # 4 full blocks
+        _ = [o async for o in engine.generate(prompt, PARAMS)]
+        seen = []
+
+        async def load(block_ids, num_cached):
+            seen.append((len(block_ids), num_cached))
+            raise LoadFailed
+
+        with pytest.raises(LoadFailed):
+            async for _ in engine.generate_prefilled(prompt + [5] * 10, PARAMS, "r1", 0, load):
+                pass
+        held = engine.generate_prefilled([9] * 40, PARAMS, "held", 0, lambda b, c: _forever())  # 3 blocks
+        task = asyncio.create_task(anext(held))
+        await asyncio.sleep(0.2)
+        with pytest.raises(NoFreeBlocksError):  # 16 blocks: 4 cached + 12 of the 9 left
+            async for _ in engine.generate_prefilled(prompt + [6] * 180, PARAMS, "big", 0, load):
+                pass
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await held.aclose()
+        with pytest.raises(LoadFailed):
+            async for _ in engine.generate_prefilled(prompt + [5] * 10, PARAMS, "r2", 0, load):
+                pass
+        assert seen == [(5, 4), (5, 4)]
+        await engine.call_in_engine_thread(lambda llm: None)
+        await assert_all_free(engine)
+    finally:
+        await engine.shutdown()

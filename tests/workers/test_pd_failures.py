@@ -222,8 +222,8 @@ async def test_corrupted_chunk_is_detected_never_used(monkeypatch):
         assert got == want
         assert pair.decode.metrics.failures.labels("ChunkError")._value.get() == 1
         assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 1
-        with pytest.raises(WorkerUnavailableError, match="checksum mismatch"):
-            await _tokens(pair.client.generate(PROMPT[:100], SEEDED, prefill_addr=pair.prefill_addr,
+        with pytest.raises(WorkerUnavailableError, match="checksum mismatch"):  # a prompt not cached on decode
+            await _tokens(pair.client.generate(list(range(200, 300)), SEEDED, prefill_addr=pair.prefill_addr,
                                                allow_local_prefill=False))
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
     finally:
@@ -271,6 +271,29 @@ async def test_lease_expires_when_decode_never_acknowledges():
             assert msg.WhichOneof("kind") == "aborted" and "lease expired" in msg.aborted.reason
             call.cancel()
         assert pair.prefill.metrics.lease_expiries._value.get() == 1
+        await assert_all_free(pair.prefill.engine)
+    finally:
+        await stop_pair(pair)
+
+
+async def test_prefill_refuses_more_cached_blocks_than_the_prompt_has():
+    """num_cached_blocks past the prompt's full blocks is the decode side's bug: INVALID_ARGUMENT
+    naming the field, before anything is computed or held."""
+    from kvrelay.kvtransfer.convert import params_to_proto
+    from kvrelay.v1 import kv_pb2, prefill_pb2_grpc
+
+    pair = await start_pair()
+    try:
+        async with grpc.aio.insecure_channel(pair.prefill_addr) as ch:
+            call = prefill_pb2_grpc.PrefillServiceStub(ch).Prefill()
+            await call.write(kv_pb2.PrefillClientMessage(start=kv_pb2.PrefillStart(
+                request_id="too-many", prompt_token_ids=PROMPT[:40], params=params_to_proto(GREEDY),
+                expected_layout=pair.prefill.layout.to_proto(), num_cached_blocks=3)))  # 40 tokens: 2 full
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call.read()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "num_cached_blocks 3" in e.value.details()
+        assert pair.prefill.active_handoffs() == 0
         await assert_all_free(pair.prefill.engine)
     finally:
         await stop_pair(pair)

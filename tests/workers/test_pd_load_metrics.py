@@ -56,7 +56,10 @@ async def test_metrics_endpoint_serves_vllm_style_names():
         assert metric_value(page, "kvrelay:time_to_first_token_seconds_count") == 2
         assert metric_value(page, "kvrelay:inter_token_latency_seconds_count") == 10
         assert metric_value(page, "kvrelay:kv_transfer_seconds_count") == 2
-        assert metric_value(page, "kvrelay:kv_transfer_bytes_total") == 2 * 7 * pair.decode.layout.bytes_per_block_layer * 5
+        # The second hand-off finds the prompt's 6 full blocks in the decode worker's own prefix
+        # cache and moves only the last, partial one.
+        assert metric_value(page, "kvrelay:kv_transfer_bytes_total") == (7 + 1) * pair.decode.layout.bytes_per_block_layer * 5
+        assert metric_value(page, "kvrelay:prefix_cache_hits_total") == 6 * 16
         assert metric_value(page, "kvrelay:kv_cache_usage_perc") == 0
         assert metric_value(page, "kvrelay:generation_tokens_total") == 12
         ppage = scrape(pport)

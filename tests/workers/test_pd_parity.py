@@ -83,6 +83,55 @@ async def test_disaggregated_equals_single_process(model_name, streaming, tiny_l
         await ref.shutdown()
 
 
+@pytest.mark.parametrize("model_name", ["stories260K", "tiny_llama"])
+async def test_follow_up_turn_moves_only_the_blocks_the_decode_worker_lacks(model_name, tiny_llama, tmp_path):
+    """A second turn (the first prompt, its answer, new tokens) finds the first turn's blocks,
+    generated ones included, in the decode worker's own prefix cache: its hand-off moves only the
+    blocks after them, through shared memory too, and the output equals the single process's.
+    A failed attempt that had shared those cached blocks gives them back."""
+    from pd_helpers import free_port
+
+    model = BUNDLED_MODEL if model_name == "stories260K" else tiny_llama
+    popts = WorkerOptions(max_message_bytes=16 * 1024)
+    dopts = WorkerOptions(max_message_bytes=16 * 1024, kv_shm_bytes=4 << 20, kv_shm_dir=str(tmp_path))
+    pair = await start_pair(model, prefill_options=popts, decode_options=dopts)
+    ref = AsyncEngine(EngineArgs(model=str(model), num_kv_blocks=96))
+    await ref.start()
+    block_bytes = pair.decode.layout.bytes_per_block_layer * pair.decode.layout.num_layers
+    try:
+        rng = random.Random(5)
+        turn1 = [rng.randrange(3, 512) for _ in range(150)]
+        got = await _collect(pair.client.generate(turn1, PARAMS["greedy"], prefill_addr=pair.prefill_addr))
+        want = await _collect(ref.generate(turn1, PARAMS["greedy"]))
+        assert got[0] == want[0]
+        turn2 = turn1 + got[0] + [rng.randrange(3, 512) for _ in range(37)]  # 211 tokens, 14 blocks
+        moved = []
+        for kind in ("greedy", "seeded"):
+            before = pair.decode.metrics.kv_bytes._value.get()
+            got = await _collect(pair.client.generate(turn2, PARAMS[kind], prefill_addr=pair.prefill_addr))
+            want = await _collect(ref.generate(turn2, PARAMS[kind]))
+            assert got[0] == want[0], f"{model_name} {kind}: tokens differ"
+            # Logprobs agree to float rounding only: the prefill worker never saw turn 1's answer,
+            # so it computes turn 2 from block 9 on in one chunk, where the single process starts
+            # at block 10 (it cached the answer's first full block); the same sums, split apart.
+            for a, b in zip(got[2], want[2], strict=True):
+                assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            moved.append((pair.decode.metrics.kv_bytes._value.get() - before) / block_bytes)
+        # Turn 1 computed the K/V of 173 tokens (150 + 24 generated, the last one never fed back):
+        # 10 full blocks. The seeded run then also finds turn 2's 13 full prompt blocks.
+        assert moved == [14 - 10, 14 - 13]
+        dead = f"127.0.0.1:{free_port()}"  # the first attempt fails after its reservation
+        got = await _collect(pair.client.generate(turn2, PARAMS["greedy"], prefill_addr=[dead, pair.prefill_addr]))
+        assert got[0] == (await _collect(ref.generate(turn2, PARAMS["greedy"])))[0]
+        assert pair.prefill.metrics.shm_offers.labels("accepted")._value.get() == 4
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+        assert pair.decode.arena.free_bytes == pair.decode.arena.capacity
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()
+
+
 async def test_prompt_spanning_many_chunks_with_chunked_prefill(tiny_llama):
     """A prompt longer than the prefill's token budget (chunked prefill over several steps) and
     much larger than one message: only the final step streams, the rest comes from held blocks."""

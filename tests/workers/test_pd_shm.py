@@ -86,7 +86,9 @@ async def test_shm_handoff_equals_single_process(tmp_path, streaming):
                 assert [(lp.token_id, lp.logprob, lp.top) for o in got for lp in o.logprobs or []] == \
                        [(lp.token_id, lp.logprob, lp.top) for o in want for lp in o.logprobs or []]
                 runs += 1
-        assert _offers(pair, "accepted") == runs and _offers(pair, "unreachable") == 0
+        # The 16-token prompt's second run finds its one block in the decode worker's prefix cache:
+        # nothing to send, so no region is offered.
+        assert _offers(pair, "accepted") == runs - 1 and _offers(pair, "unreachable") == 0
         assert pair.decode.metrics.kv_bytes._value.get() > 16 * 1024  # many chunks' worth
         arena = pair.decode.arena
         assert arena.free_bytes == arena.capacity

@@ -46,6 +46,22 @@ def test_plan_covers_every_slice_once_within_the_message_bound(max_bytes):
     assert bool((seen == 1).all())
 
 
+@pytest.mark.parametrize("max_bytes", [MESSAGE_OVERHEAD + 512, MESSAGE_OVERHEAD + 5000, 4 * 2**20])
+def test_blocks_the_receiver_holds_are_neither_planned_nor_accepted(max_bytes):
+    """first_block: the decode worker's prefix cache holds blocks [0, 4) of 7."""
+    seen = torch.zeros(3, 7, dtype=torch.int32)
+    for r in plan_chunks(LAYOUT, 0, 3, 7, max_bytes, block_start=4):
+        seen[r.layer_start:r.layer_end, r.block_start:r.block_end] += 1
+    assert bool((seen[:, 4:] == 1).all()) and not seen[:, :4].any()
+    v = ChunkVerifier(LAYOUT, num_tokens=100, num_blocks=7, first_block=4)
+    with pytest.raises(ChunkError, match=r"outside 3 layers x blocks \[4, 7\)"):
+        v.accept(_chunk(ChunkRange(0, 3, 3, 5), num_tokens=100)[0])
+    with pytest.raises(ChunkError, match="incomplete"):
+        v.check_complete()
+    v.accept(_chunk(ChunkRange(0, 3, 4, 7), num_tokens=100)[0])
+    v.check_complete()
+
+
 def test_plan_refuses_a_message_bound_below_one_block_of_one_layer():
     with pytest.raises(ValueError, match="raise --max-message-bytes"):
         plan_chunks(LAYOUT, 0, 3, 7, MESSAGE_OVERHEAD + 100)
