@@ -1,7 +1,8 @@
 """The backend over prefill and decode workers (`kvrelay gateway`, `kvrelay serve --disaggregated`).
 
-For each request: pick a decode worker by load, pick prefill workers by prefix affinity, the
-decode worker's node (when it offers shared memory) and load (`routing.WorkerPool`), and call
+For each request: pick a decode worker by prefix affinity and load, pick prefill workers by
+prefix affinity, the decode worker's node (when it offers shared memory) and load
+(`routing.WorkerPool`), and call
 the decode worker's Generate with that prefill list (the decode worker pulls the KV from the
 first prefill worker that succeeds). A decode worker that fails before the first token
 (unreachable, no capacity) is retried on another one.
@@ -25,7 +26,7 @@ from kvrelay.gateway.routing import Discovery, WorkerPool
 
 log = logging.getLogger(__name__)
 
-MAX_AFFINITY_BLOCKS = 64  # leading blocks hashed for prefill affinity
+MAX_AFFINITY_BLOCKS = 64  # leading blocks hashed for prefix affinity (prefill and decode)
 PREFILL_CANDIDATES = 2  # prefill workers the decode worker may try, in order
 DECODE_ATTEMPTS = 3
 
@@ -157,7 +158,7 @@ class DisaggregatedBackend:
         tried: set[str] = set()
         last_error: Exception | None = None
         for _ in range(DECODE_ATTEMPTS):
-            decode = self.decode.pick_decode(exclude=tried)
+            decode = self.decode.pick_decode(hashes, exclude=tried)
             if decode is None:
                 break
             prefills = []

@@ -13,7 +13,10 @@
 - Node pairing: for a decode worker that offers a shared-memory arena (`--kv-shm-bytes`), a
   prefill worker on its node (both publish `node`) comes next after prefix-cache affinity, so
   the K/V skips the network; only such a worker under the load bound qualifies.
-- Decode choice: by load (waiting, running, free KV blocks).
+- Decode choice: prefix-cache affinity first (a conversation's next turn goes back to the decode
+  worker that generated the last answer, which holds it all but the new message and so pulls only
+  the rest of the K/V), while under the load bound; otherwise by load (waiting, running, free
+  KV blocks).
 - Retry: the caller passes the workers that already failed this request in `exclude`.
 
 Block hashes chain like the engine's prefix cache: hash(parent hash, the block's token ids).
@@ -124,15 +127,7 @@ class WorkerPool:
             return None
         bound = self._bound(candidates)
         # 1. published caches: the longest leading run of the prompt's blocks
-        best, best_overlap = None, 0
-        for w in candidates:
-            overlap = 0
-            for h in hashes:
-                if h not in w.cached_blocks:
-                    break
-                overlap += 1
-            if overlap > best_overlap and w.load < bound:
-                best, best_overlap = w, overlap
+        best = _longest_cached_prefix(candidates, hashes, bound)
         if best is not None:
             return best
         # 2. the decode worker's node, where the K/V goes through shared memory
@@ -152,17 +147,35 @@ class WorkerPool:
         # 4. no prefix to be affine to (or everyone over the bound): least loaded
         return min(candidates, key=lambda w: (w.load, w.address))
 
-    def pick_decode(self, exclude: Iterable[str] = ()) -> Worker | None:
+    def pick_decode(self, hashes: list[int] = (), exclude: Iterable[str] = ()) -> Worker | None:
         candidates = self.live(exclude)
         with_room = [w for w in candidates if w.kv_blocks_free > 0] or candidates
         if not with_room:
             return None
+        best = _longest_cached_prefix(with_room, hashes, self._bound(with_room))
+        if best is not None:
+            return best
 
         def score(w: Worker) -> tuple[float, int, str]:
             kv_used = 1.0 - w.kv_blocks_free / w.kv_blocks_total if w.kv_blocks_total else 0.0
             return (2.0 * w.num_waiting + w.num_running + w.inflight + 4.0 * kv_used, w.inflight, w.address)
 
         return min(with_room, key=score)
+
+
+def _longest_cached_prefix(candidates: list[Worker], hashes: list[int], bound: int) -> Worker | None:
+    """The worker under the load bound whose published cache holds the longest leading run of
+    the prompt's blocks (at least one); None when no worker holds the first block."""
+    best, best_overlap = None, 0
+    for w in candidates:
+        overlap = 0
+        for h in hashes:
+            if h not in w.cached_blocks:
+                break
+            overlap += 1
+        if overlap > best_overlap and w.load < bound:
+            best, best_overlap = w, overlap
+    return best
 
 
 # ----------------------------------------------------------------------------- discovery

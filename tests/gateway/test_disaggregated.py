@@ -245,3 +245,51 @@ def test_gateway_pairs_a_shared_memory_decode_worker_with_a_prefill_worker_on_it
     finally:
         for w in started:
             w.stop()
+
+
+def test_next_turn_goes_back_to_the_decode_worker_holding_the_conversation():
+    """A conversation's next turn is routed to the decode worker whose published prefix cache
+    holds its earlier turn (not to the least loaded one), and that hand-off moves only the new
+    blocks."""
+    started = []
+    try:
+        for role in ("prefill", "decode", "decode"):
+            started.append(WorkerProcess(role))
+        prefill, d1, d2 = started
+        backend = DisaggregatedBackend(prefill.address, f"{d1.address},{d2.address}", str(BUNDLED_MODEL))
+        gw = InProcessGateway(backend=backend)
+        try:
+            deadline = time.monotonic() + 30
+            while len(backend.decode.live()) < 2 or not backend.prefill.live():
+                assert time.monotonic() < deadline, "workers never reported their load"
+                time.sleep(0.05)
+            client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+            a_turn1 = list(range(100, 180))  # 5 blocks
+            b_turn1 = list(range(300, 380))
+            # A keeps one decode worker busy while B's first turn arrives: B goes to the other one.
+            a = client.completions.create(model=MODEL, prompt=a_turn1, max_tokens=150, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True})
+            a_chunks = iter(a)
+            next(a_chunks)
+            client.completions.create(model=MODEL, prompt=b_turn1, max_tokens=4, temperature=0)
+            list(a_chunks)
+            tokens = {w: w.generation_tokens() for w in (d1, d2)}
+            b_holder = d1 if tokens[d1] == 4 else d2  # the one that served B only
+            assert tokens[b_holder] == 4 and tokens[d1 if b_holder is d2 else d2] == 150
+            holder = backend.decode.workers[b_holder.address]
+            deadline = time.monotonic() + 10
+            while len(holder.cached_blocks) < 5 or holder.load:
+                assert time.monotonic() < deadline, "B's blocks never showed in the load stream"
+                time.sleep(0.05)
+            bytes_before = b_holder.metric("kvrelay:kv_transfer_bytes_total")
+            # Both workers are idle now: by load alone B's next turn would go to the first one.
+            client.completions.create(model=MODEL, prompt=b_turn1 + list(range(400, 440)), max_tokens=4,
+                                      temperature=0)
+            assert b_holder.generation_tokens() == 8
+            moved = b_holder.metric("kvrelay:kv_transfer_bytes_total") - bytes_before
+            assert moved * 5 == bytes_before * 3  # turn 1 moved its 5 blocks; turn 2 only its 3 new ones
+        finally:
+            gw.stop()
+    finally:
+        for w in started:
+            w.stop()

@@ -96,6 +96,22 @@ def test_decode_by_load_and_free_kv():
     assert pool.pick_decode(exclude=[c]).address == a  # retry elsewhere
 
 
+def test_decode_goes_back_to_the_worker_holding_the_conversation_while_under_the_bound():
+    pool = pool_with(3, "decode")
+    a, b, c = pool.workers
+    turn2 = block_hashes(list(range(100, 300)), 16)  # 12 blocks: turn 1, its answer, a new message
+    pool.report(a, num_waiting=0, num_running=2, kv_blocks_free=50, kv_blocks_total=100)
+    pool.report(b, num_waiting=0, num_running=3, kv_blocks_free=50, kv_blocks_total=100, cached_blocks=turn2[:9])
+    pool.report(c, num_waiting=0, num_running=3, kv_blocks_free=50, kv_blocks_total=100, cached_blocks=turn2[:4])
+    assert pool.pick_decode().address == a  # no prompt: least loaded
+    assert pool.pick_decode(turn2).address == b  # the longest cached run, though busier than a
+    assert pool.pick_decode(turn2, exclude=[b]).address == c
+    pool.workers[b].inflight = 6  # over 1.25 x the average load: the next longest run wins
+    assert pool.pick_decode(turn2).address == c
+    pool.workers[c].inflight = 6  # no holder under the bound: by load
+    assert pool.pick_decode(turn2).address == a
+
+
 def test_silent_worker_is_ejected_within_a_second_and_returns():
     clock = Clock()
     pool = pool_with(2, "decode", clock)
