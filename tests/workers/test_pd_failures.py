@@ -26,7 +26,8 @@ from pd_helpers import (
     wait_until,
 )
 
-PROMPT = [random.Random(3).randrange(3, 512) for _ in range(300)]
+_rng = random.Random(3)
+PROMPT = [_rng.randrange(3, 512) for _ in range(300)]  # one generator: varied tokens
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, seed=99, max_tokens=16, ignore_eos=True)
 # Many small chunks sent slowly: a transfer lasts ~10 s, long enough to kill something mid-way.

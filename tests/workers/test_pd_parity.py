@@ -147,7 +147,8 @@ async def test_prompt_spanning_many_chunks_with_chunked_prefill(tiny_llama):
     await ref.start()
     client = DecodeClient(f"127.0.0.1:{dp}")
     try:
-        prompt = [random.Random(1).randrange(3, 512) for _ in range(450)]
+        rng = random.Random(1)
+        prompt = [rng.randrange(3, 512) for _ in range(450)]
         for params in (PARAMS["greedy"], PARAMS["seeded"]):
             got = await _collect(client.generate(prompt, params, prefill_addr=f"127.0.0.1:{pp}"))
             want = await _collect(ref.generate(prompt, params))
