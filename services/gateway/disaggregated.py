@@ -2,10 +2,9 @@
 
 For each request: pick a decode worker by prefix affinity and load, pick prefill workers by
 prefix affinity, the decode worker's node (when it offers shared memory) and load
-(`routing.WorkerPool`), and call
-the decode worker's Generate with that prefill list (the decode worker pulls the KV from the
-first prefill worker that succeeds). A decode worker that fails before the first token
-(unreachable, no capacity) is retried on another one.
+(`routing.WorkerPool`), and call the decode worker's Generate with that prefill list (the
+decode worker pulls the KV from the first prefill worker that succeeds). A decode worker that
+fails before the first token (unreachable, no capacity) is retried on another one.
 
 Each worker's load stream (`kvrelay.kvtransfer.client.watch_load`) feeds the pools; a broken
 stream ejects the worker at once, a silent one after `eject_after_s`.

@@ -182,7 +182,7 @@ class ChunkVerifier:
         self.num_blocks = num_blocks
         self.first_block = first_block
         self.seen = np.zeros((layout.num_layers, num_blocks), dtype=bool)
-        self.seen[:, :first_block] = True  # never sent: a chunk there overlaps and is refused
+        self.seen[:, :first_block] = True  # never sent (accept refuses chunks there): present already
         self.bytes = 0
 
     def verify(self, chunk: kv_pb2.KVChunk, payload=None) -> tuple[ChunkRange, torch.Tensor]:
