@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from disagg import AFTER, Worker, free_port, make_model, pin_this_process
+from common import free_port
+from disagg import AFTER, Worker, make_model, pin_this_process
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer.client import DecodeClient
 
