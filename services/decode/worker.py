@@ -24,6 +24,7 @@ from kvrelay.engine.errors import EngineDeadError, InvalidRequestError
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.sequence import Status
 from kvrelay.kvtransfer.convert import output_to_proto, params_from_proto
+from kvrelay.kvtransfer.doorbell import DoorbellServer
 from kvrelay.kvtransfer.errors import (
     ChunkError,
     HandoffError,
@@ -33,7 +34,7 @@ from kvrelay.kvtransfer.errors import (
     WorkerUnavailableError,
 )
 from kvrelay.kvtransfer.layout import ReceivedChunk
-from kvrelay.kvtransfer.shm import ShmArena
+from kvrelay.kvtransfer.shm import DOORBELL_SUFFIX, ShmArena
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.transport import GrpcKVTransport, HandoffRequest, KVDestination, KVTransport
 from kvrelay.kvtransfer.worker_base import WorkerBase, WorkerOptions
@@ -56,14 +57,23 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, engine: AsyncEngine, options: WorkerOptions | None = None,
                  transport: KVTransport | None = None):
         super().__init__(engine, options)
-        self.arena = None
+        self.arena = self.doorbell = None
         if transport is None and self.options.kv_shm_bytes:
             self.arena = ShmArena(self.options.kv_shm_bytes, self.options.kv_shm_dir)
             self.metrics.track_shm_arena(self.arena)
+            self.doorbell = self._open_doorbell(self.arena)
         self.transport = transport or GrpcKVTransport(self.layout, self.options.max_message_bytes,
-                                                      self.options.handoff_timeout_s, self.arena)
+                                                      self.options.handoff_timeout_s, self.arena, self.doorbell)
         self.load.kv_shm = self.arena is not None
         self._requests: dict[str, _Request] = {}
+
+    def _open_doorbell(self, arena: ShmArena) -> DoorbellServer | None:
+        path = arena.path.with_name(arena.path.name + DOORBELL_SUFFIX)
+        try:
+            return DoorbellServer(path, lambda fn: self.engine.run_in_engine_thread(lambda llm: fn()))
+        except OSError as e:  # e.g. a path over the 107-byte limit of Unix sockets
+            log.warning("no doorbell at %s (%s): same-node hand-offs signal over gRPC", path, e)
+            return None
 
     def add_services(self, server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self, server)
@@ -74,6 +84,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
     async def stop(self, grace_s: float = 1.0) -> None:
         await super().stop(grace_s)
         await self.transport.close()
+        if self.doorbell is not None:
+            self.doorbell.close()
         if self.arena is not None:
             self.arena.close()
 
@@ -179,7 +191,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         if req.aborted:
             raise RequestAbortedError(f"request {req.request_id} was aborted")
         dest = KVDestination(block_ids, lambda batch: self._write(req.request_id, block_ids, batch),
-                             num_cached_blocks)
+                             num_cached_blocks,
+                             lambda batch: _write_blocks(self.engine.engine, req.request_id, block_ids, batch))
         req.handoff_task = asyncio.create_task(
             self.transport.pull(addr, HandoffRequest(req.request_id, ids, params, priority), dest))
         try:
@@ -201,23 +214,23 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         return result.first_token, result.first_logprob
 
     async def _write(self, rid: str, block_ids: list[int], batch: list[ReceivedChunk]) -> None:
-        """Check each chunk's checksum and copy it into the request's reserved blocks, on the
-        engine thread, only while the request still holds exactly those blocks (an abort frees
-        them first). A corrupted chunk raises ChunkError before any of its bytes is written."""
-
-        def write(llm) -> None:
-            seqs = llm.requests.get(rid)
-            if not seqs or seqs[0].status is not Status.RESERVED or seqs[0].block_table != block_ids:
-                raise RequestAbortedError(f"request {rid} no longer holds its reserved blocks: write dropped")
-            ids = torch.tensor(block_ids, dtype=torch.long, device=llm.device)
-            for chunk in batch:
-                r = chunk.range
-                llm.ops.scatter_blocks(llm.kv_cache, ids[r.block_start:r.block_end],
-                                       chunk.checked_tensor().to(llm.device), r.layer_start, r.layer_end)
-
-        await self.engine.call_in_engine_thread(write)
+        await self.engine.call_in_engine_thread(lambda llm: _write_blocks(llm, rid, block_ids, batch))
 
     def _aborted_output(self, req: _Request, ids: list[int]) -> RequestOutput:
         return RequestOutput(request_id=req.request_id, index=0, new_token_ids=[], text="", logprobs=None,
                              finish_reason="abort", stop_reason=None, num_prompt_tokens=len(ids),
                              num_generated_tokens=0)
+
+
+def _write_blocks(llm, rid: str, block_ids: list[int], batch: list[ReceivedChunk]) -> None:
+    """Engine thread: check each chunk's checksum and copy it into the request's reserved blocks,
+    only while the request still holds exactly those blocks (an abort frees them first). A
+    corrupted chunk raises ChunkError before any of its bytes is written."""
+    seqs = llm.requests.get(rid)
+    if not seqs or seqs[0].status is not Status.RESERVED or seqs[0].block_table != block_ids:
+        raise RequestAbortedError(f"request {rid} no longer holds its reserved blocks: write dropped")
+    ids = torch.tensor(block_ids, dtype=torch.long, device=llm.device)
+    for chunk in batch:
+        r = chunk.range
+        llm.ops.scatter_blocks(llm.kv_cache, ids[r.block_start:r.block_end],
+                               chunk.checked_tensor().to(llm.device), r.layer_start, r.layer_end)

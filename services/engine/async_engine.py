@@ -38,6 +38,9 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._died: asyncio.Event | None = None  # set on the loop once the step loop crashed
         self._stats = self.engine.stats()
+        # Called on the engine thread with each step's outputs before they go to the loop (the
+        # prefill worker rings the doorbell there); must not raise.
+        self.after_step: Callable[[list[RequestOutput]], None] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -73,6 +76,12 @@ class AsyncEngine:
         self._commands.put(("call", (fn, fut)))
         self._wake.set()
         return fut
+
+    def run_in_engine_thread(self, fn: Callable[[LLMEngine], None]) -> None:
+        """Queue fn(engine) to run on the engine thread between steps; callable from any thread.
+        fn reports its own outcome: what it raises is only logged."""
+        self._commands.put(("run", fn))
+        self._wake.set()
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -222,13 +231,21 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(_set_exception, fut, e)
                 else:
                     self._loop.call_soon_threadsafe(_set_result, fut, result)
+            elif kind == "run":
+                try:
+                    arg(self.engine)
+                except Exception:  # see run_in_engine_thread: fn reports its own outcome
+                    log.exception("engine-thread callable failed")
 
     def _run(self) -> None:
         try:
             while not self._stopping:
                 outputs = self._apply_commands()
                 if self.engine.has_work():
-                    outputs.extend(self.engine.step())
+                    stepped = self.engine.step()
+                    if self.after_step is not None:
+                        self.after_step(stepped)
+                    outputs.extend(stepped)
                 self._stats = self.engine.stats()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)

@@ -77,6 +77,10 @@ class WorkerMetrics:
                                   "Prefill side: shared-memory regions offered by decode workers, by whether "
                                   "this worker could open them (accepted) or sent the K/V inline (unreachable).",
                                   ["outcome"], registry=r)
+        self.doorbells = Counter("kvrelay:kv_doorbell_handoffs",
+                                 "Prefill side: shared-memory hand-offs whose decode worker offered a doorbell "
+                                 "socket, by whether this worker reached it (connected) or signalled on gRPC (unreachable).",
+                                 ["outcome"], registry=r)
         self.failures = Counter("kvrelay:kv_transfer_failures", "Failed hand-offs by reason.", ["reason"],
                                 registry=r)
 

@@ -43,6 +43,7 @@ CREATING_PREFIX = ".creating-kvrelay-kv-"  # an arena until it is locked and siz
 CREATING_GRACE_S = 60.0
 DATA_START = 4096  # the nonce lives in the first page; regions start after it
 ALIGN = 4096  # regions start on page boundaries
+DOORBELL_SUFFIX = ".sock"  # the arena's doorbell socket: the arena's path plus this
 # Page tables filled at map time: no page fault per 4 KiB on a region's first use in each process.
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
@@ -133,7 +134,14 @@ def remove_stale_arenas(directory: str | Path) -> list[Path]:
     removed = []
     directory = Path(directory)
     creating = [p for p in directory.glob(f"{CREATING_PREFIX}*") if _age_s(p) > CREATING_GRACE_S]
-    for path in sorted(directory.glob(f"{PREFIX}*")) + creating:
+    for sock in directory.glob(f"{PREFIX}*{DOORBELL_SUFFIX}"):
+        # A doorbell (kvrelay.kvtransfer.doorbell) is bound after its arena has its name and
+        # unlinked before it: one without its arena lost its decode worker.
+        if not sock.with_name(sock.name.removesuffix(DOORBELL_SUFFIX)).exists():
+            sock.unlink(missing_ok=True)
+            removed.append(sock)
+    arenas = [p for p in directory.glob(f"{PREFIX}*") if not p.name.endswith(DOORBELL_SUFFIX)]
+    for path in sorted(arenas) + creating:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -147,6 +155,10 @@ def remove_stale_arenas(directory: str | Path) -> list[Path]:
             # arena is locked before it gets its name).
             path.unlink(missing_ok=True)
             removed.append(path)
+            doorbell = path.with_name(path.name + DOORBELL_SUFFIX)
+            if doorbell.exists():
+                doorbell.unlink(missing_ok=True)
+                removed.append(doorbell)
             log.warning("removed shared-memory arena %s left by a decode worker that is gone", path)
         finally:
             os.close(fd)

@@ -10,7 +10,10 @@ returns the first token. On any failure or cancellation it tells the prefill wor
 
 With a shared-memory arena (same node, kvrelay.kvtransfer.shm), the decode side offers a
 region of it in PrefillStart; a prefill worker that can open it writes the chunks' bytes there and
-sends only their headers, and everything else above stays as it is.
+sends only their headers, and everything else above stays as it is. With a doorbell beside the
+arena (kvrelay.kvtransfer.doorbell), a prefill worker that can connect sends those headers,
+PrefillDone and the ack between the two engine threads on a Unix socket; the gRPC stream then
+carries only start, header, aborts and its end.
 
 An RDMA transport (UCX or NIXL) slots in behind the same interface: it would register both
 workers' kv_cache tensors with the NIC, exchange memory descriptors for the held and reserved
@@ -24,6 +27,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -34,6 +38,7 @@ from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer.chunk_wire import PREFILL_METHOD, ServerMessage, decode_server_message
 from kvrelay.kvtransfer.convert import logprob_from_proto, params_to_proto
+from kvrelay.kvtransfer.doorbell import DoorbellHandoff, DoorbellServer
 from kvrelay.kvtransfer.errors import ChunkError, HandoffError, LayoutMismatchError, PrefillFailedError
 from kvrelay.kvtransfer.grpc_options import channel_options
 from kvrelay.kvtransfer.layout import (
@@ -64,6 +69,8 @@ class KVDestination:
     block_ids: list[int]
     write: WriteFn  # checks each chunk's checksum and copies it into block_ids (on the engine thread)
     num_cached_blocks: int = 0  # leading block_ids that already hold their K/V (prefix-cache hits)
+    # The same write, called on the engine thread itself (doorbell hand-offs); None: no doorbell.
+    write_in_engine_thread: Callable[[list[ReceivedChunk]], None] | None = None
 
 
 @dataclass
@@ -96,8 +103,9 @@ class GrpcKVTransport(KVTransport):
     """K/V travels inline on PrefillService.Prefill, a stream the decode side opens and reads."""
 
     def __init__(self, layout: KVLayout, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 timeout_s: float = 300.0, arena: ShmArena | None = None):
+                 timeout_s: float = 300.0, arena: ShmArena | None = None, doorbell: DoorbellServer | None = None):
         self.layout = layout
+        self.doorbell = doorbell  # offered with the arena's regions
         self.max_message_bytes = max_message_bytes
         self.timeout_s = timeout_s
         self.arena = arena  # offered to every prefill worker; those on this node write into it
@@ -126,9 +134,10 @@ class GrpcKVTransport(KVTransport):
         nbytes = self.layout.bytes_for_blocks(len(dest.block_ids) - dest.num_cached_blocks)
         if self.arena is not None and nbytes:
             region = self.arena.allocate(nbytes)  # None when the arena is full: inline this time
+        attempt = _Attempt(region)
         # The exchange runs in its own task: cancelling a task blocked in call.read() would cancel
         # the RPC before the explicit abort message could go out.
-        inner = asyncio.create_task(self._run(call, request, dest, region))
+        inner = asyncio.create_task(self._run(call, request, dest, attempt))
         done_ok = False
         writer_stopped = True  # no prefill-side code can still write into the region
         try:
@@ -143,10 +152,16 @@ class GrpcKVTransport(KVTransport):
             raise PrefillFailedError(f"prefill worker {prefill_addr}: no complete hand-off within "
                                      f"{self.timeout_s:.0f} s") from None
         finally:
+            if attempt.doorbell is not None:
+                self.doorbell.unregister(attempt.doorbell)  # before the caller frees the blocks
             if not done_ok:
+                # A doorbell hand-off's watcher reads the stream: do not read it twice.
+                drain = inner.done() and attempt.watcher is None
                 writer_stopped = await asyncio.shield(
-                    _abort_call(call, "decode side gave up the hand-off", drain=inner.done()))
+                    _abort_call(call, "decode side gave up the hand-off", drain=drain))
                 inner.cancel()
+                if attempt.watcher is not None:
+                    attempt.watcher.cancel()
                 await asyncio.gather(inner, return_exceptions=True)
             if region is not None:
                 if writer_stopped:
@@ -156,15 +171,22 @@ class GrpcKVTransport(KVTransport):
                     # chunk into the region, which must not reach another hand-off's K/V.
                     asyncio.get_running_loop().call_later(self.shm_quarantine_s, self.arena.free, region)
 
-    async def _run(self, call, request: HandoffRequest, dest: KVDestination, region: Region | None) -> HandoffResult:
+    async def _run(self, call, request: HandoffRequest, dest: KVDestination, attempt: _Attempt) -> HandoffResult:
+        region = attempt.region
         start = kv_pb2.PrefillStart(
             request_id=request.request_id, prompt_token_ids=request.prompt_ids,
             params=params_to_proto(request.params), priority=request.priority,
             expected_layout=self.layout.to_proto(), max_message_bytes=self.max_message_bytes,
             num_cached_blocks=dest.num_cached_blocks)
+        verifier = ChunkVerifier(self.layout, len(request.prompt_ids), len(dest.block_ids), dest.num_cached_blocks)
         if region is not None:
             start.shm.CopyFrom(kv_pb2.ShmRegion(path=str(self.arena.path), nonce=self.arena.nonce,
                                                 offset=region.offset, size=region.size))
+            if self.doorbell is not None and dest.write_in_engine_thread is not None:
+                # Registered before the prefill worker can ring: its first frame may come before
+                # the header is read here.
+                attempt.doorbell = self._register_doorbell(verifier, _ShmReader(self.arena, region), dest)
+                start.shm.doorbell, start.shm.ticket = str(self.doorbell.path), attempt.doorbell.ticket
         await call.write(kv_pb2.PrefillClientMessage(start=start))
         rx = await _read(call)
         if rx.kind() != "header":
@@ -178,8 +200,14 @@ class GrpcKVTransport(KVTransport):
         if header.shm and region is None:
             raise ChunkError("prefill worker chose the shared-memory data plane, which this decode worker did "
                              "not offer")
+        if header.doorbell:
+            if attempt.doorbell is None:
+                raise ChunkError("prefill worker chose the doorbell, which this decode worker did not offer")
+            return await self._await_doorbell(call, attempt, verifier)
+        if attempt.doorbell is not None:  # the prefill worker cannot reach the socket: the stream carries all
+            self.doorbell.unregister(attempt.doorbell)
+            attempt.doorbell = None
         shm = _ShmReader(self.arena, region) if header.shm else None
-        verifier = ChunkVerifier(self.layout, header.num_tokens, header.num_blocks, dest.num_cached_blocks)
         writer = _BatchWriter(dest.write)
         try:
             while True:
@@ -208,6 +236,58 @@ class GrpcKVTransport(KVTransport):
                     raise PrefillFailedError(f"unexpected {kind!r} message in the hand-off stream")
         finally:
             await writer.close()
+
+
+    def _register_doorbell(self, verifier: ChunkVerifier, shm: _ShmReader, dest: KVDestination) -> DoorbellHandoff:
+        loop = asyncio.get_running_loop()
+        h = DoorbellHandoff(ticket=secrets.token_bytes(16), accept=lambda c: verifier.accept(c, shm.payload(c)),
+                            check_complete=verifier.check_complete, write=dest.write_in_engine_thread, loop=loop,
+                            future=loop.create_future())
+        self.doorbell.register(h)
+        return h
+
+    async def _await_doorbell(self, call, attempt: _Attempt, verifier: ChunkVerifier) -> HandoffResult:
+        """The chunks and PrefillDone come on the doorbell, written on the engine thread; the
+        stream can only end the hand-off early (aborted, closed, broken)."""
+        h = attempt.doorbell
+        attempt.watcher = asyncio.create_task(_watch_stream(call, h))
+        done = await h.future
+        # The doorbell acked from the engine thread already; this ack covers a lost one.
+        with contextlib.suppress(Exception):  # the call may have ended on that first ack
+            await call.write(kv_pb2.PrefillClientMessage(ack=kv_pb2.PrefillAck()))
+            await call.done_writing()
+        return HandoffResult(
+            first_token=done.first_token_id,
+            first_logprob=logprob_from_proto(done.first_logprob) if done.has_logprob else None,
+            num_cached_tokens=done.num_cached_tokens, bytes=verifier.bytes,
+            seconds=(h.written_at or 0.0) - (h.first_chunk_at or h.written_at or 0.0),
+            bytes_before_compute_done=done.bytes_before_compute_done, prefill_seconds=done.prefill_seconds)
+
+
+@dataclass(eq=False)
+class _Attempt:
+    """One pull's resources, for its clean-up."""
+
+    region: Region | None
+    doorbell: DoorbellHandoff | None = None
+    watcher: asyncio.Task | None = None  # reads the stream of a doorbell hand-off
+
+
+async def _watch_stream(call, h: DoorbellHandoff) -> None:
+    """A doorbell hand-off's stream: anything before the hand-off completes ends it; after that
+    the prefill worker's end of the call is read and dropped."""
+    try:
+        while True:
+            rx = await call.read()
+            if rx is grpc.aio.EOF:
+                h.resolve(PrefillFailedError("the prefill worker closed the hand-off stream early"))
+                return
+            if rx.kind() == "aborted":
+                h.resolve(PrefillFailedError(f"prefill worker aborted the hand-off: {rx.msg.aborted.reason}"))
+            else:
+                h.resolve(PrefillFailedError(f"unexpected {rx.kind()!r} message on a doorbell hand-off's stream"))
+    except grpc.aio.AioRpcError as e:
+        h.resolve(e)  # pull maps it like any other stream error
 
 
 class _ShmReader:

@@ -7,6 +7,11 @@ sending, so early layers travel while later layers still compute. Whatever the h
 send (short prompts, or layers after the last group) is gathered from the held blocks once the
 first token is out. Both gathers run on the engine thread, which owns the cache; the blocks are
 never written (they may be shared with the prefix cache), only read while held.
+
+Doorbell (same node, kvrelay.kvtransfer.doorbell): when the decode worker offers a shared-memory
+region and a doorbell socket this worker can reach, the engine thread itself places each chunk
+in the region and rings, in the layer hook and right after the step that samples the first
+token (AsyncEngine.after_step); the event loop then only waits for the ack, an abort, or the end.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from kvrelay.kvtransfer.chunk_wire import (
     place_chunk,
 )
 from kvrelay.kvtransfer.convert import logprob_to_proto, params_from_proto
+from kvrelay.kvtransfer.doorbell import DoorbellClient, DoorbellConn
 from kvrelay.kvtransfer.errors import LayoutMismatchError
 from kvrelay.kvtransfer.layout import ChunkRange, KVLayout, check_layout, chunk_header, plan_chunks
 from kvrelay.kvtransfer.leases import Lease, LeaseTable
@@ -48,7 +54,8 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(eq=False)
 class _Handoff:
     lease: Lease
-    events: asyncio.Queue  # ("chunk", range, payload) | ("done", out, seconds) | ("error", exc) | ack/abort/gone/...
+    # ("chunk", range, payload) | ("done", out) | ("error", exc) | ("ack"[, acked_at]) | abort/gone/...
+    events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     num_blocks: int
     max_message_bytes: int
@@ -62,6 +69,10 @@ class _Handoff:
     send_started_at: float | None = None
     shm: np.ndarray | None = None  # the decode worker's shared-memory region, when this worker can open it
     shm_next: int = 0  # where the next chunk's bytes go in it
+    doorbell: DoorbellConn | None = None  # set: chunks and done go on the decode worker's doorbell
+    ticket: bytes = b""  # the hand-off's name on the doorbell
+    doorbell_error: Exception | None = None  # a ring failed (engine thread): the hand-off fails
+    started_at: float = 0.0  # when the prefill was submitted (monotonic)
 
 
 class _PipelinedWriter:
@@ -106,6 +117,10 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         self._layout_msg = self.layout.to_proto()
         self._reaper: asyncio.Task | None = None
         self.shm = ShmOpener()
+        self.doorbells = DoorbellClient(self._on_doorbell_ack)
+        self._by_ticket: dict[bytes, _Handoff] = {}  # doorbell hand-offs by ticket (guarded by _lock)
+        self._ringing: dict[str, _Handoff] = {}  # lease id -> doorbell hand-off still computing (_lock)
+        engine.after_step = self._after_step
 
     def add_services(self, server: grpc.aio.Server) -> None:
         add_prefill_service(self, server)
@@ -126,6 +141,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         if self._handoffs:
             await asyncio.sleep(0.05)
         await super().stop(grace_s)
+        self.doorbells.close()
 
     # ---- RPCs ---------------------------------------------------------------------------------
 
@@ -169,6 +185,14 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                      max_message_bytes=max_msg, first_block=start.num_cached_blocks)
         if start.HasField("shm"):
             h.shm = self._open_shm(start.shm, h.num_blocks - h.first_block)
+            if h.shm is not None and start.shm.doorbell:
+                h.doorbell = self.doorbells.connect(start.shm.doorbell)
+                self.metrics.doorbells.labels("connected" if h.doorbell is not None else "unreachable").inc()
+                if h.doorbell is not None:
+                    h.ticket = start.shm.ticket
+                    with self._lock:
+                        self._by_ticket[h.ticket] = h
+                        self._ringing[lease.lease_id] = h
         self.leases.add(lease)
         self._handoffs[lease.lease_id] = h
         reader = asyncio.create_task(self._read_decode_side(it, h))
@@ -177,7 +201,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         try:
             await context.write(kv_pb2.PrefillServerMessage(header=kv_pb2.HandoffHeader(
                 lease_id=lease.lease_id, layout=self.layout.to_proto(), num_tokens=len(ids),
-                num_blocks=h.num_blocks, lease_seconds=self.options.lease_seconds, shm=h.shm is not None)))
+                num_blocks=h.num_blocks, lease_seconds=self.options.lease_seconds, shm=h.shm is not None,
+                doorbell=h.doorbell is not None)))
             if len(ids) >= self.options.stream_min_tokens:
                 with self._lock:
                     self._streaming[lease.lease_id] = h
@@ -247,14 +272,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         """A non-chunk event; returns why the hand-off ends, or None to continue."""
         lease, kind = h.lease, ev[0]
         if kind == "done":
-            _, out, seconds = ev
-            done = kv_pb2.PrefillDone(
-                first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
-                total_bytes=h.bytes_sent, bytes_before_compute_done=h.bytes_before_compute_done,
-                prefill_seconds=seconds, has_logprob=bool(out.logprobs))
-            if out.logprobs:
-                done.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
-            await context.write(kv_pb2.PrefillServerMessage(done=done))
+            await context.write(kv_pb2.PrefillServerMessage(done=self._done_message(h, ev[1])))
             h.done_sent = True
             lease.renew(self.options.lease_seconds)
             return None
@@ -262,8 +280,10 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             if h.done_sent:
                 if h.send_started_at is not None:
                     # One clock, and nothing left out: gather, encode, wire, verify and cache write
-                    # of every chunk, the first one included, plus the ack's way back.
-                    self.metrics.kv_send_seconds.observe(time.monotonic() - h.send_started_at)
+                    # of every chunk, the first one included, plus the ack's way back (a doorbell
+                    # ack carries the time its thread read it).
+                    acked_at = ev[1] if len(ev) > 1 else time.monotonic()
+                    self.metrics.kv_send_seconds.observe(acked_at - h.send_started_at)
                     self.metrics.kv_send_bytes.inc(h.bytes_sent)
                 return "ack"
             why = "ack before the hand-off completed"
@@ -285,9 +305,18 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         await context.write(kv_pb2.PrefillServerMessage(aborted=kv_pb2.PrefillAborted(reason=why)))
         return "error"
 
+    def _done_message(self, h: _Handoff, out) -> kv_pb2.PrefillDone:
+        done = kv_pb2.PrefillDone(
+            first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
+            total_bytes=h.bytes_sent, bytes_before_compute_done=h.bytes_before_compute_done,
+            prefill_seconds=time.monotonic() - h.started_at, has_logprob=bool(out.logprobs))
+        if out.logprobs:
+            done.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
+        return done
+
     async def _compute(self, h: _Handoff, ids: list[int], params, priority: int) -> None:
         lease = h.lease
-        t0 = time.monotonic()
+        t0 = h.started_at = time.monotonic()
         try:
             out = None
             async for out in self.engine.generate(ids, params, lease.lease_id, priority, hold_blocks=True):
@@ -299,11 +328,15 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             self.metrics.ttft.observe(time.monotonic() - t0)  # queue + compute on this worker
             with self._lock:
                 self._streaming.pop(lease.lease_id, None)
+            if h.doorbell is not None:  # the step's after_step hook rang with the rest and done
+                if not h.done_sent:
+                    raise h.doorbell_error or EngineDeadError("the prefill's last step rang no doorbell")
+                return
             if h.send_started_at is None:
                 h.send_started_at = time.monotonic()
             for r, t in await self.engine.call_in_engine_thread(lambda llm: self._gather_rest(h)):
                 h.events.put_nowait(("chunk", r, t))
-            h.events.put_nowait(("done", out, time.monotonic() - t0))
+            h.events.put_nowait(("done", out))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure is reported to the decode side
@@ -339,6 +372,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         lease.release_reason = reason
         with self._lock:
             self._streaming.pop(lease.lease_id, None)
+            self._ringing.pop(lease.lease_id, None)
+            self._by_ticket.pop(h.ticket, None)
         try:
             await self.engine.call_in_engine_thread(lambda llm: llm.release(lease.lease_id))
         finally:
@@ -408,8 +443,72 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             if h.lease.released or hi - h.sent_layers < self.group and hi < self.layout.num_layers:
                 continue
             (seq,) = self.llm.requests[h.lease.lease_id]
-            for r, t in self._gather(h, seq.block_table, h.sent_layers, hi):
+            chunks = self._gather(h, seq.block_table, h.sent_layers, hi)
+            if h.doorbell is not None:
+                self._ring(h, chunks)
+                continue
+            for r, t in chunks:
                 h.loop.call_soon_threadsafe(h.events.put_nowait, ("chunk", r, t))
+
+    def _after_step(self, outputs) -> None:
+        """AsyncEngine.after_step: ring with the rest of the K/V and the first token of each
+        doorbell hand-off whose prefill this step finished, before the output reaches the loop."""
+        with self._lock:
+            if not self._ringing:
+                return
+            finished = [(self._ringing.pop(o.request_id), o) for o in outputs
+                        if o.finished and o.request_id in self._ringing]
+        for h, out in finished:
+            if not out.new_token_ids:
+                continue  # aborted or failed: _compute reports it on the stream
+            try:
+                chunks = self._gather_rest(h)
+            except Exception as e:  # noqa: BLE001 - must not stop the engine; the hand-off fails
+                h.doorbell_error = e
+                continue
+            self._ring(h, chunks, out)
+
+    def _ring(self, h: _Handoff, chunks: list[tuple[ChunkRange, Payload]], out=None) -> None:
+        """Engine thread: place chunks in the region, then send their headers (and PrefillDone
+        when out, the prefill's last output, is given) in one frame on the doorbell. Never
+        raises: a failure is kept in h.doorbell_error, and _compute reports it on the stream."""
+        if self.options.debug_chunk_delay_s and len(chunks) > 1:  # fault injection: one chunk a frame
+            for i, chunk in enumerate(chunks):
+                self._ring(h, [chunk], out if i == len(chunks) - 1 else None)
+            return
+        if h.doorbell_error is not None or h.lease.released:
+            return
+        try:
+            if h.send_started_at is None:
+                h.send_started_at = time.monotonic()
+            frame = kv_pb2.DoorbellFrame(ticket=h.ticket)
+            for r, t in chunks:
+                chunk = place_chunk(chunk_header(self._layout_msg, r, h.lease.num_tokens), t, h.shm, h.shm_next).chunk
+                h.shm_next += chunk.shm_size
+                h.bytes_sent += chunk.shm_size
+                if out is None:
+                    h.bytes_before_compute_done += chunk.shm_size
+                frame.chunks.append(chunk)
+            if out is not None:
+                frame.done.CopyFrom(self._done_message(h, out))
+            if not h.doorbell.ring(frame):
+                raise ConnectionError(f"the doorbell socket {h.doorbell.path} broke: the decode worker left or "
+                                      f"stopped reading")
+            h.lease.renew(self.options.lease_seconds)
+            if out is not None:
+                h.done_sent = True
+            elif self.options.debug_chunk_delay_s:
+                time.sleep(self.options.debug_chunk_delay_s)  # holds the engine thread, like a slow copy
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.warning("doorbell hand-off of %s failed: %s", h.lease.request_id, e)
+            h.doorbell_error = e
+
+    def _on_doorbell_ack(self, ticket: bytes, acked_at: float) -> None:
+        """A doorbell connection's reader thread."""
+        with self._lock:
+            h = self._by_ticket.get(ticket)
+        if h is not None:
+            h.loop.call_soon_threadsafe(h.events.put_nowait, ("ack", acked_at))
 
     def _completes_prompt(self, h: _Handoff, batch) -> bool:
         """Whether this step computes the last prompt tokens of h's sequence."""

@@ -23,6 +23,8 @@ from kvrelay.kvtransfer.shm import (
     CREATING_GRACE_S,
     CREATING_PREFIX,
     DATA_START,
+    DOORBELL_SUFFIX,
+    PREFIX,
     Region,
     ShmArena,
     ShmOpener,
@@ -223,7 +225,8 @@ def test_arena_of_a_killed_decode_worker_is_removed_by_the_next_one(tmp_path):
     """SIGKILL leaves no chance to unlink: the next arena in the directory deletes files whose
     owner's lock is gone, and leaves a live worker's arena alone."""
     code = ("import sys, time; from kvrelay.kvtransfer.shm import ShmArena; "
-            "print(ShmArena(1 << 20, sys.argv[1]).path, flush=True); time.sleep(120)")
+            "from kvrelay.kvtransfer.doorbell import DoorbellServer; a = ShmArena(1 << 20, sys.argv[1]); "
+            "DoorbellServer(str(a.path) + '.sock', lambda fn: fn()); print(a.path, flush=True); time.sleep(120)")
     owners = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
               for _ in range(2)]
     try:
@@ -231,10 +234,12 @@ def test_arena_of_a_killed_decode_worker_is_removed_by_the_next_one(tmp_path):
         owners[0].kill()
         owners[0].wait()
         assert dead.exists() and live.exists()
+        dead_sock, live_sock = (p.with_name(p.name + DOORBELL_SUFFIX) for p in (dead, live))
+        assert dead_sock.exists() and live_sock.exists()
         arena = ShmArena(1 << 20, tmp_path)
         try:
-            assert arena.removed_stale == [dead]
-            assert not dead.exists() and live.exists() and arena.path.exists()
+            assert arena.removed_stale == [dead, dead_sock]  # and its doorbell socket
+            assert not dead.exists() and live.exists() and arena.path.exists() and live_sock.exists()
             assert remove_stale_arenas(tmp_path) == []  # ours is locked too
         finally:
             arena.close()
@@ -242,8 +247,12 @@ def test_arena_of_a_killed_decode_worker_is_removed_by_the_next_one(tmp_path):
         for p in owners:
             p.kill()
             p.wait()
-    assert remove_stale_arenas(tmp_path) == [live]
+    assert remove_stale_arenas(tmp_path) == [live, live_sock]
     assert list(tmp_path.iterdir()) == []
+    # A doorbell socket whose arena is gone (its worker was killed between the two unlinks).
+    orphan = tmp_path / f"{PREFIX}9-c{DOORBELL_SUFFIX}"
+    orphan.write_bytes(b"")
+    assert remove_stale_arenas(tmp_path) == [orphan]
     # Killed while creating (sizing a large arena takes a while): swept once clearly abandoned.
     fresh, old = tmp_path / (CREATING_PREFIX + "1-a"), tmp_path / (CREATING_PREFIX + "2-b")
     for p in (fresh, old):

@@ -1,0 +1,172 @@
+"""The doorbell (kvrelay.kvtransfer.doorbell): on the shared-memory plane, chunk headers,
+PrefillDone and the ack go between the two engine threads on a Unix socket beside the arena.
+Same answers as a single process, nothing on the gRPC stream but start, header, aborts and its
+end, and every failure of the socket ends as a clean gRPC-side failure with nothing stranded."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.engine_args import EngineArgs
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer.doorbell import DoorbellClient, DoorbellHandoff, DoorbellServer
+from kvrelay.kvtransfer.errors import ChunkError
+from kvrelay.kvtransfer.worker_base import WorkerOptions
+from kvrelay.v1 import kv_pb2
+from pd_helpers import assert_all_free, start_pair, stop_pair, wait_until
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=11, max_tokens=10, ignore_eos=True, logprobs=2)
+
+
+async def _doorbell_pair(tmp_path, **prefill):
+    popts = WorkerOptions(max_message_bytes=16 * 1024, stream_min_tokens=200, layer_group_size=1, **prefill)
+    dopts = WorkerOptions(max_message_bytes=16 * 1024, kv_shm_bytes=4 << 20, kv_shm_dir=str(tmp_path))
+    pair = await start_pair(prefill_options=popts, decode_options=dopts)
+    assert pair.decode.doorbell is not None and pair.decode.doorbell.path.exists()
+    return pair
+
+
+async def _until(condition, what: str) -> None:
+    async def check():
+        return condition()
+
+    await wait_until(check, what=what)
+
+
+def _count(counter, *labels) -> float:
+    return (counter.labels(*labels) if labels else counter)._value.get()
+
+
+async def _outputs(stream):
+    return [o async for o in stream]
+
+
+def _tokens_and_logprobs(outputs):
+    return ([t for o in outputs for t in o.new_token_ids],
+            [(lp.token_id, lp.logprob, lp.top) for o in outputs for lp in o.logprobs or []])
+
+
+async def test_doorbell_hand_off_equals_single_process(tmp_path):
+    """Prompts under and over stream_min_tokens (chunks rung from the layer hook while later
+    layers compute), greedy and seeded: each hand-off is rung and acked on the doorbell."""
+    pair = await _doorbell_pair(tmp_path)
+    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
+    await ref.start()
+    try:
+        rng = random.Random(8)
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 120, 300)]
+        for prompt in prompts:
+            for params in (GREEDY, SEEDED):
+                got = await _outputs(pair.client.generate(prompt, params, prefill_addr=pair.prefill_addr))
+                want = await _outputs(ref.generate(prompt, params))
+                assert _tokens_and_logprobs(got) == _tokens_and_logprobs(want)
+        m = pair.prefill.metrics
+        # The seeded runs find their prompt's full blocks in the decode worker's prefix cache; the
+        # 7-token prompt has none, so each run hands off something.
+        assert _count(m.doorbells, "connected") == 6 and _count(m.doorbells, "unreachable") == 0
+        assert _count(m.kv_handoffs, "ack") == 6
+        assert m.kv_send_seconds._sum.get() > 0
+        assert _count(m.kv_overlap_bytes) == 0  # prefill side never counts it; the decode side does
+        assert _count(pair.decode.metrics.kv_overlap_bytes) > 0  # the 300-token prompt was layer-streamed
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+        assert pair.decode.arena.free_bytes == pair.decode.arena.capacity
+        sock = pair.decode.doorbell.path
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()
+    assert not sock.exists()  # unlinked at stop
+
+
+async def test_broken_doorbell_fails_over_the_stream_and_strands_nothing(tmp_path):
+    """The decode worker's doorbell goes away mid-hand-off: the prefill worker's next ring fails,
+    it aborts on the stream, the decode worker prefills locally (the same answer), and a later
+    hand-off, finding no socket, signals on gRPC."""
+    pair = await _doorbell_pair(tmp_path, debug_chunk_delay_s=0.2)
+    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
+    await ref.start()
+    try:
+        prompt = list(range(40, 190))
+        want = _tokens_and_logprobs(await _outputs(ref.generate(prompt, SEEDED)))
+        task = asyncio.create_task(_outputs(pair.client.generate(prompt, SEEDED, prefill_addr=pair.prefill_addr)))
+        await _until(lambda: _count(pair.prefill.metrics.doorbells, "connected") == 1, "a rung hand-off")
+        await asyncio.sleep(0.3)  # a chunk or two are through
+        pair.decode.doorbell.close()
+        assert _tokens_and_logprobs(await asyncio.wait_for(task, 30)) == want
+        assert _count(pair.decode.metrics.fallbacks, "local") == 1
+        assert _count(pair.prefill.metrics.kv_handoffs, "error") == 1
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+        assert pair.decode.arena.free_bytes == pair.decode.arena.capacity
+
+        other = list(range(200, 260))
+        got = await _outputs(pair.client.generate(other, GREEDY, prefill_addr=pair.prefill_addr))
+        assert _tokens_and_logprobs(got) == _tokens_and_logprobs(await _outputs(ref.generate(other, GREEDY)))
+        assert _count(pair.prefill.metrics.doorbells, "unreachable") == 1
+        assert _count(pair.prefill.metrics.kv_handoffs, "ack") == 1
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()
+
+
+async def test_lost_doorbell_ack_is_covered_by_the_stream_ack(tmp_path, monkeypatch):
+    monkeypatch.setattr(DoorbellServer, "_ack", lambda self, conn, h: None)
+    pair = await _doorbell_pair(tmp_path)
+    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
+    await ref.start()
+    try:
+        prompt = list(range(30, 130))
+        got = await _outputs(pair.client.generate(prompt, GREEDY, prefill_addr=pair.prefill_addr))
+        assert _tokens_and_logprobs(got) == _tokens_and_logprobs(await _outputs(ref.generate(prompt, GREEDY)))
+        assert _count(pair.prefill.metrics.doorbells, "connected") == 1
+        assert _count(pair.prefill.metrics.kv_handoffs, "ack") == 1
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()
+
+
+async def test_frames_reach_only_a_live_hand_off_and_a_bad_header_writes_nothing(tmp_path):
+    """Real sockets and threads; the writes are recorded instead of going into a cache."""
+    loop = asyncio.get_running_loop()
+    ran: list[str] = []
+    server = DoorbellServer(tmp_path / "bell.sock", lambda fn: fn())
+    acks: list[bytes] = []
+    client = DoorbellClient(lambda ticket, at: acks.append(ticket))
+
+    def handoff(name: str, bad: bool = False) -> DoorbellHandoff:
+        def accept(chunk):
+            if bad:
+                raise ChunkError(f"{name}: bad header")
+            return name
+
+        h = DoorbellHandoff(name.encode(), accept, lambda: None, lambda chunks: ran.append(f"{name}:{len(chunks)}"),
+                            loop, loop.create_future())
+        server.register(h)
+        return h
+
+    try:
+        gone, bad, live = handoff("gone"), handoff("bad", bad=True), handoff("live")
+        server.unregister(gone)
+        conn = client.connect(str(server.path))
+        chunk = kv_pb2.KVChunk(layer_start=0, layer_end=1)
+        done = kv_pb2.PrefillDone(first_token_id=42)
+        for ticket in (b"gone", b"unknown", b"bad"):
+            assert conn.ring(kv_pb2.DoorbellFrame(ticket=ticket, chunks=[chunk], done=done))
+        assert conn.ring(kv_pb2.DoorbellFrame(ticket=b"live", chunks=[chunk, chunk]))
+        assert conn.ring(kv_pb2.DoorbellFrame(ticket=b"live", chunks=[chunk], done=done))
+        assert (await asyncio.wait_for(live.future, 5)).first_token_id == 42
+        with pytest.raises(ChunkError, match="bad header"):
+            await asyncio.wait_for(bad.future, 5)
+        assert ran == ["live:2", "live:1"]  # nothing for the given-up, unknown or bad hand-off
+        await _until(lambda: acks == [b"live"], "the ack")
+        assert not gone.future.done()
+    finally:
+        client.close()
+        server.close()
+    assert not server.path.exists()
+    assert threading.active_count() < 50
