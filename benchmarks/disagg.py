@@ -11,7 +11,10 @@ thread each; the client shares the core of the process that does not decode) wit
   - layer-wise streaming: TTFT with streaming on, and the share of KV bytes sent while the
     prefill was still computing (overlap),
   - both data planes: K/V inline on the gRPC stream ("disagg"), and through the decode worker's
-    shared-memory arena ("shm", --kv-shm-bytes: what a prefill and decode pod on one node use).
+    shared-memory arena ("shm", --kv-shm-bytes: what a prefill and decode pod on one node use),
+    whose hand-offs signal on the doorbell socket between the engine threads; "shm,
+    gRPC-signalled" (--no-kv-doorbell) signals on the gRPC stream instead, as the doorbell's
+    baseline.
 The single-process baseline is a decode worker prefilling locally: same process, same client
 path, no hand-off. Configurations run one after another, each with only its own workers alive:
 with all five workers up at once on 2 cores, loopback TCP stalled hand-offs for 80-200 ms
@@ -114,6 +117,7 @@ CONFIGS = (  # name, prefill worker flags (None: no prefill worker, the decode w
     ("disagg, after prefill", AFTER, ()),
     ("disagg, layer-streamed", STREAMED, ()),
     ("shm, after prefill", AFTER, SHM),
+    ("shm, gRPC-signalled", AFTER, (*SHM, "--no-kv-doorbell")),  # the doorbell's baseline
     ("shm, layer-streamed", STREAMED, SHM),
 )
 COUNTERS = ("kvrelay:kv_transfer_bytes_total", "kvrelay:kv_transfer_seconds_sum",
@@ -219,6 +223,10 @@ async def main() -> None:
             if after[n]["exposed"] > 0:
                 print(f"  {plane}: layer-wise streaming hides {1 - streamed[n]['exposed'] / after[n]['exposed']:.0%} "
                       f"of the hand-off at {n} tokens")
+    bell, grpc_signalled = results.get("shm, after prefill"), results.get("shm, gRPC-signalled")
+    for n in lengths if bell and grpc_signalled else ():
+        print(f"  shm: doorbell {bell[n]['gbps']:.2f} GB/s vs gRPC-signalled {grpc_signalled[n]['gbps']:.2f} GB/s at {n} "
+              f"tokens ({bell[n]['gbps'] / grpc_signalled[n]['gbps']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.block_pool import NoFreeBlocksError
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError
 from kvrelay.engine.outputs import RequestOutput
-from kvrelay.engine.sequence import Status
 from kvrelay.kvtransfer.convert import output_to_proto, params_from_proto
 from kvrelay.kvtransfer.doorbell import DoorbellServer
 from kvrelay.kvtransfer.errors import (
@@ -61,7 +60,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         if transport is None and self.options.kv_shm_bytes:
             self.arena = ShmArena(self.options.kv_shm_bytes, self.options.kv_shm_dir)
             self.metrics.track_shm_arena(self.arena)
-            self.doorbell = self._open_doorbell(self.arena)
+            self.doorbell = self._open_doorbell(self.arena) if self.options.kv_doorbell else None
         self.transport = transport or GrpcKVTransport(self.layout, self.options.max_message_bytes,
                                                       self.options.handoff_timeout_s, self.arena, self.doorbell)
         self.load.kv_shm = self.arena is not None
@@ -70,7 +69,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
     def _open_doorbell(self, arena: ShmArena) -> DoorbellServer | None:
         path = arena.path.with_name(arena.path.name + DOORBELL_SUFFIX)
         try:
-            return DoorbellServer(path, lambda fn: self.engine.run_in_engine_thread(lambda llm: fn()))
+            return DoorbellServer(path)
         except OSError as e:  # e.g. a path over the 107-byte limit of Unix sockets
             log.warning("no doorbell at %s (%s): same-node hand-offs signal over gRPC", path, e)
             return None
@@ -223,14 +222,16 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
 
 
 def _write_blocks(llm, rid: str, block_ids: list[int], batch: list[ReceivedChunk]) -> None:
-    """Engine thread: check each chunk's checksum and copy it into the request's reserved blocks,
-    only while the request still holds exactly those blocks (an abort frees them first). A
-    corrupted chunk raises ChunkError before any of its bytes is written."""
-    seqs = llm.requests.get(rid)
-    if not seqs or seqs[0].status is not Status.RESERVED or seqs[0].block_table != block_ids:
+    """Check each chunk's checksum and copy it into the request's reserved blocks, only while the
+    request still holds exactly those blocks (LLMEngine.write_reserved; any thread). A corrupted
+    chunk raises ChunkError before any of its bytes is written."""
+
+    def scatter() -> None:
+        ids = torch.tensor(block_ids, dtype=torch.long, device=llm.device)
+        for chunk in batch:
+            r = chunk.range
+            llm.ops.scatter_blocks(llm.kv_cache, ids[r.block_start:r.block_end],
+                                   chunk.checked_tensor().to(llm.device), r.layer_start, r.layer_end)
+
+    if not llm.write_reserved(rid, block_ids, scatter):
         raise RequestAbortedError(f"request {rid} no longer holds its reserved blocks: write dropped")
-    ids = torch.tensor(block_ids, dtype=torch.long, device=llm.device)
-    for chunk in batch:
-        r = chunk.range
-        llm.ops.scatter_blocks(llm.kv_cache, ids[r.block_start:r.block_end],
-                               chunk.checked_tensor().to(llm.device), r.layer_start, r.layer_end)

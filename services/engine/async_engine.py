@@ -77,12 +77,6 @@ class AsyncEngine:
         self._wake.set()
         return fut
 
-    def run_in_engine_thread(self, fn: Callable[[LLMEngine], None]) -> None:
-        """Queue fn(engine) to run on the engine thread between steps; callable from any thread.
-        fn reports its own outcome: what it raises is only logged."""
-        self._commands.put(("run", fn))
-        self._wake.set()
-
     # ---- requests ---------------------------------------------------------------------------
 
     def default_sampling_params(self) -> SamplingParams:
@@ -147,8 +141,9 @@ class AsyncEngine:
         never wait), awaits load_kv(block_ids, num_cached_blocks), which fills block_ids after the
         first num_cached_blocks (prefix-cache hits, already holding their K/V) and returns
         (first_token, first_logprob), then activates the request (yields nothing if abort() came
-        first). load_kv must write only through call_in_engine_thread: a failure or early close
-        queues the abort behind those writes, so the blocks are freed only after the last write.
+        first). load_kv must write only through LLMEngine.write_reserved (from the engine thread
+        or any other): a failure or early close queues the abort, which waits for a write in
+        progress and stops later ones, so the blocks are never freed under a copy.
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
@@ -231,11 +226,6 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(_set_exception, fut, e)
                 else:
                     self._loop.call_soon_threadsafe(_set_result, fut, result)
-            elif kind == "run":
-                try:
-                    arg(self.engine)
-                except Exception:  # see run_in_engine_thread: fn reports its own outcome
-                    log.exception("engine-thread callable failed")
 
     def _run(self) -> None:
         try:

@@ -9,7 +9,9 @@ import json
 import logging
 import random
 import secrets
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -122,6 +124,9 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, list[Sequence]] = {}
+        # Held while K/V is written into a reservation from outside the engine thread
+        # (write_reserved), and while abort() frees a reservation: never freed under a writer.
+        self._reserved_lock = threading.Lock()
         self._next_seq_id = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -244,7 +249,11 @@ class LLMEngine:
             if seq.finished:
                 self.scheduler.free_blocks(seq)  # blocks held for a hand-off
                 continue
-            self.scheduler.finish(seq, "abort")
+            if seq.status is Status.RESERVED:
+                with self._reserved_lock:  # a write_reserved in progress finishes first
+                    self.scheduler.finish(seq, "abort")
+            else:
+                self.scheduler.finish(seq, "abort")
             seq.metrics.finished_time = time.monotonic()
             outputs.append(self._output(seq, [], seq.detok.take(final=True)))
         return outputs
@@ -413,6 +422,18 @@ class LLMEngine:
         self.requests[request_id] = [seq]
         self.prompt_tokens_total += seq.prompt_len
         return seq
+
+    def write_reserved(self, request_id: str, block_ids: list[int], write: Callable[[], None]) -> bool:
+        """Run write() (copy K/V into block_ids) only while request_id still holds exactly those
+        blocks as a reservation; False, writing nothing, once it does not (aborted, or its id
+        reused by a new reservation). Callable from any thread: abort() of a reservation waits
+        for a write in progress, so its blocks are never freed and reused under the copy."""
+        with self._reserved_lock:
+            seqs = self.requests.get(request_id)
+            if not seqs or seqs[0].status is not Status.RESERVED or seqs[0].block_table != block_ids:
+                return False
+            write()
+            return True
 
     def activate(self, request_id: str, first_token: int, first_logprob=None) -> RequestOutput:
         """Decode side: the reserved blocks now hold the prompt's K/V; continue after first_token.

@@ -8,9 +8,9 @@ its engine thread: about 2 ms of a 128-token hand-off whose bytes take 0.6 ms to
 
 - the prefill worker's engine thread places chunks in the region and rings (DoorbellFrame:
   their headers, and PrefillDone on the last frame) right after the step that produced them;
-- a thread of the decode worker reads the frame, verifies the headers, and queues the copy into
-  the reserved blocks on its engine thread, which acks on the socket (DoorbellAck) once the
-  last frame's chunks are written;
+- a thread of the decode worker reads the frame, verifies it and copies the chunks into the
+  reserved blocks itself (LLMEngine.write_reserved: no hop to the engine thread, and an abort
+  waits for the copy), then acks on the socket (DoorbellAck) once the last frame's chunks are in;
 - a thread of the prefill worker reads the ack and hands it to the hand-off.
 
 Everything else stays on the gRPC stream: start, header, aborts both ways, the stream's end as
@@ -97,9 +97,9 @@ class DoorbellHandoff:
     """Decode side: one hand-off that expects its chunks on the doorbell.
 
     accept verifies a chunk header and returns the chunk (raises ChunkError); check_complete
-    proves every (layer, block) arrived; write copies chunks into the reserved blocks on the
-    engine thread (raises if the request no longer holds them). future resolves on the event
-    loop with the last frame's PrefillDone once everything is written, or with the error."""
+    proves every (layer, block) arrived; write checks the chunks' checksums and copies them into
+    the reserved blocks (raises if the request no longer holds them). future resolves on the
+    event loop with the last frame's PrefillDone once everything is written, or with the error."""
 
     ticket: bytes
     accept: Callable[[kv_pb2.KVChunk], ReceivedChunk]
@@ -117,8 +117,7 @@ class DoorbellHandoff:
         self.loop.call_soon_threadsafe(_settle, self.future, value)
 
     def give_up(self) -> None:
-        """The transport stops waiting: no write starts after this returns (one already running
-        on the engine thread finishes before the request's abort, queued after it, frees the blocks)."""
+        """The transport stops waiting: once this returns, no write is running or will start."""
         with self.lock:
             self.live = False
 
@@ -134,11 +133,10 @@ def _settle(fut, value) -> None:
 
 class DoorbellServer:
     """Decode side: listens on a Unix socket beside the arena; one reader thread per prefill
-    worker that connects. run_on_engine queues a callable on the engine thread (any thread)."""
+    worker that connects, which verifies, writes and acks its frames."""
 
-    def __init__(self, path: str | Path, run_on_engine: Callable[[Callable[[], None]], None]):
+    def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._run_on_engine = run_on_engine
         self._handoffs: dict[bytes, DoorbellHandoff] = {}
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
@@ -201,35 +199,27 @@ class DoorbellServer:
         if h is None:
             return  # a hand-off the transport already gave up (it told the prefill worker on gRPC)
         done = frame.done if frame.HasField("done") else None
-        try:
-            with h.lock:
-                if not h.live:
-                    return
+        with h.lock:  # the transport's give_up waits for the write
+            if not h.live:
+                return
+            try:
                 chunks = [h.accept(c) for c in frame.chunks]
                 if chunks and h.first_chunk_at is None:
                     h.first_chunk_at = time.monotonic()
                 if done is not None:
                     h.check_complete()
-        except HandoffError as e:
-            h.resolve(e)
-            return
-        except Exception as e:  # noqa: BLE001 - e.g. a header that does not parse as a layout
-            h.resolve(ChunkError(f"bad doorbell frame: {e}"))
-            return
-        self._run_on_engine(lambda: self._write(conn, h, chunks, done))
-
-    def _write(self, conn: socket.socket, h: DoorbellHandoff, chunks: list[ReceivedChunk],
-               done: kv_pb2.PrefillDone | None) -> None:
-        """Engine thread."""
-        with h.lock:
-            if not h.live:
+            except HandoffError as e:
+                h.resolve(e)
                 return
-        try:
-            if chunks:
-                h.write(chunks)
-        except Exception as e:  # noqa: BLE001 - handed to the transport, which aborts the hand-off
-            h.resolve(e)
-            return
+            except Exception as e:  # noqa: BLE001 - e.g. a header that does not parse as a layout
+                h.resolve(ChunkError(f"bad doorbell frame: {e}"))
+                return
+            try:
+                if chunks:
+                    h.write(chunks)
+            except Exception as e:  # noqa: BLE001 - handed to the transport, which aborts the hand-off
+                h.resolve(e)
+                return
         if done is not None:
             h.written_at = time.monotonic()
             self._ack(conn, h)

@@ -69,8 +69,8 @@ class KVDestination:
     block_ids: list[int]
     write: WriteFn  # checks each chunk's checksum and copies it into block_ids (on the engine thread)
     num_cached_blocks: int = 0  # leading block_ids that already hold their K/V (prefix-cache hits)
-    # The same write, called on the engine thread itself (doorbell hand-offs); None: no doorbell.
-    write_in_engine_thread: Callable[[list[ReceivedChunk]], None] | None = None
+    # The same write, synchronous and callable from any thread (doorbell hand-offs); None: no doorbell.
+    write_now: Callable[[list[ReceivedChunk]], None] | None = None
 
 
 @dataclass
@@ -182,7 +182,7 @@ class GrpcKVTransport(KVTransport):
         if region is not None:
             start.shm.CopyFrom(kv_pb2.ShmRegion(path=str(self.arena.path), nonce=self.arena.nonce,
                                                 offset=region.offset, size=region.size))
-            if self.doorbell is not None and dest.write_in_engine_thread is not None:
+            if self.doorbell is not None and dest.write_now is not None:
                 # Registered before the prefill worker can ring: its first frame may come before
                 # the header is read here.
                 attempt.doorbell = self._register_doorbell(verifier, _ShmReader(self.arena, region), dest)
@@ -241,7 +241,7 @@ class GrpcKVTransport(KVTransport):
     def _register_doorbell(self, verifier: ChunkVerifier, shm: _ShmReader, dest: KVDestination) -> DoorbellHandoff:
         loop = asyncio.get_running_loop()
         h = DoorbellHandoff(ticket=secrets.token_bytes(16), accept=lambda c: verifier.accept(c, shm.payload(c)),
-                            check_complete=verifier.check_complete, write=dest.write_in_engine_thread, loop=loop,
+                            check_complete=verifier.check_complete, write=dest.write_now, loop=loop,
                             future=loop.create_future())
         self.doorbell.register(h)
         return h

@@ -46,6 +46,9 @@ class WorkerOptions:
     # arena bytes (0: off, K/V always inline on gRPC) and the memory-backed directory holding it.
     kv_shm_bytes: int = 0
     kv_shm_dir: str = "/dev/shm"
+    # With the arena, a Unix socket beside it on which same-node hand-offs signal between the
+    # engine threads (kvrelay.kvtransfer.doorbell); False: they signal on the gRPC stream.
+    kv_doorbell: bool = True
 
 
 def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -82,6 +85,9 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
                                  "K/V (e.g. 256MiB; 0: off, K/V travels inline on gRPC)")
         parser.add_argument("--kv-shm-dir", default=d.kv_shm_dir,
                             help="memory-backed directory both workers mount, holding the arena file")
+        parser.add_argument("--no-kv-doorbell", dest="kv_doorbell", action="store_false",
+                            help="with --kv-shm-bytes: no doorbell socket beside the arena; chunk headers and "
+                                 "acks of same-node hand-offs go on the gRPC stream")
 
 
 def options_from_cli(args: argparse.Namespace) -> WorkerOptions:

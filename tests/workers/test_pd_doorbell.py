@@ -113,6 +113,27 @@ async def test_broken_doorbell_fails_over_the_stream_and_strands_nothing(tmp_pat
         await ref.shutdown()
 
 
+async def test_without_the_doorbell_hand_offs_signal_on_the_stream(tmp_path):
+    popts = WorkerOptions(max_message_bytes=16 * 1024, stream_min_tokens=200)
+    dopts = WorkerOptions(max_message_bytes=16 * 1024, kv_shm_bytes=4 << 20, kv_shm_dir=str(tmp_path),
+                          kv_doorbell=False)
+    pair = await start_pair(prefill_options=popts, decode_options=dopts)
+    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
+    await ref.start()
+    try:
+        assert pair.decode.doorbell is None and [p.name for p in tmp_path.iterdir()] == [pair.decode.arena.path.name]
+        prompt = list(range(50, 130))
+        got = await _outputs(pair.client.generate(prompt, SEEDED, prefill_addr=pair.prefill_addr))
+        assert _tokens_and_logprobs(got) == _tokens_and_logprobs(await _outputs(ref.generate(prompt, SEEDED)))
+        m = pair.prefill.metrics
+        assert _count(m.shm_offers, "accepted") == 1 and _count(m.kv_handoffs, "ack") == 1
+        assert _count(m.doorbells, "connected") == _count(m.doorbells, "unreachable") == 0
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()
+
+
 async def test_lost_doorbell_ack_is_covered_by_the_stream_ack(tmp_path, monkeypatch):
     monkeypatch.setattr(DoorbellServer, "_ack", lambda self, conn, h: None)
     pair = await _doorbell_pair(tmp_path)
@@ -134,7 +155,7 @@ async def test_frames_reach_only_a_live_hand_off_and_a_bad_header_writes_nothing
     """Real sockets and threads; the writes are recorded instead of going into a cache."""
     loop = asyncio.get_running_loop()
     ran: list[str] = []
-    server = DoorbellServer(tmp_path / "bell.sock", lambda fn: fn())
+    server = DoorbellServer(tmp_path / "bell.sock")
     acks: list[bytes] = []
     client = DoorbellClient(lambda ticket, at: acks.append(ticket))
 

@@ -123,3 +123,47 @@ async def test_reservation_shares_cached_prefix_blocks_and_gives_them_back():
         await assert_all_free(engine)
     finally:
         await engine.shutdown()
+
+
+async def test_abort_waits_for_a_write_into_the_reservation_from_another_thread():
+    """The doorbell writes K/V from its own thread (LLMEngine.write_reserved): an abort that
+    arrives meanwhile frees the blocks only after the copy, and no write starts after it."""
+    import threading
+
+    engine = AsyncEngine(EngineArgs(num_kv_blocks=16, max_model_len=256))
+    await engine.start()
+    try:
+        reserved = asyncio.get_running_loop().create_future()
+        copying, release = threading.Event(), threading.Event()
+        events = []
+
+        async def load(block_ids, num_cached):
+            reserved.set_result(block_ids)
+            await _forever()
+
+        gen = engine.generate_prefilled(list(range(20, 60)), PARAMS, "r", 0, load)
+        task = asyncio.create_task(anext(gen))
+        block_ids = await reserved
+
+        def slow_copy():
+            copying.set()
+            release.wait(5)
+            events.append("copied")
+
+        writer = threading.Thread(target=lambda: events.append(engine.engine.write_reserved("r", block_ids, slow_copy)))
+        writer.start()
+        assert copying.wait(5)
+        await engine.abort("r")
+        await asyncio.sleep(0.3)  # the engine thread is now blocked in abort, waiting for the copy
+        assert engine.engine.pool.num_free < engine.engine.pool.num_blocks  # not freed under the copy
+        release.set()
+        writer.join(5)
+        assert events == ["copied", True]
+        await assert_all_free(engine)
+        assert engine.engine.write_reserved("r", block_ids, lambda: events.append("late")) is False
+        assert events == ["copied", True]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await gen.aclose()
+    finally:
+        await engine.shutdown()

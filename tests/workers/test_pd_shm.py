@@ -226,7 +226,7 @@ def test_arena_of_a_killed_decode_worker_is_removed_by_the_next_one(tmp_path):
     owner's lock is gone, and leaves a live worker's arena alone."""
     code = ("import sys, time; from kvrelay.kvtransfer.shm import ShmArena; "
             "from kvrelay.kvtransfer.doorbell import DoorbellServer; a = ShmArena(1 << 20, sys.argv[1]); "
-            "DoorbellServer(str(a.path) + '.sock', lambda fn: fn()); print(a.path, flush=True); time.sleep(120)")
+            "DoorbellServer(str(a.path) + '.sock'); print(a.path, flush=True); time.sleep(120)")
     owners = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
               for _ in range(2)]
     try:
@@ -303,5 +303,6 @@ def test_shm_flags_on_the_command_line():
     parser = argparse.ArgumentParser()
     add_worker_args(parser, "decode")
     opts = options_from_cli(parser.parse_args(["--port", "0", "--kv-shm-bytes", "256MiB", "--kv-shm-dir", "/x"]))
-    assert (opts.kv_shm_bytes, opts.kv_shm_dir) == (256 << 20, "/x")
+    assert (opts.kv_shm_bytes, opts.kv_shm_dir, opts.kv_doorbell) == (256 << 20, "/x", True)
+    assert options_from_cli(parser.parse_args(["--port", "0", "--no-kv-doorbell"])).kv_doorbell is False
     assert options_from_cli(parser.parse_args(["--port", "0"])).kv_shm_bytes == 0  # off unless asked
