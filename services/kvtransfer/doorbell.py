@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import struct
 import threading
@@ -145,6 +146,7 @@ class DoorbellServer:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(str(self.path))
+            os.chmod(self.path, 0o600)  # like the arena: only the workers' own user may ring
             self._sock.listen(64)
         except OSError:
             self._sock.close()
