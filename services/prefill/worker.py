@@ -466,45 +466,49 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             except Exception as e:  # noqa: BLE001 - must not stop the engine; the hand-off fails
                 h.doorbell_error = e
                 continue
-            # One frame: per-layer-group frames, to overlap this core's placing with the decode
-            # core's copying, measured no faster here (the copies are bound by cold caches).
+            # Chunks as planned (up to max_message_bytes each): smaller frames, e.g. one per layer
+            # group, measured no faster at 128 tokens (the copies are bound by cold caches).
             self._ring(h, chunks, out)
 
     def _ring(self, h: _Handoff, chunks: list[tuple[ChunkRange, Payload]], out=None,
               during_compute: bool = False) -> None:
-        """Engine thread: place chunks in the region, then send their headers (and PrefillDone
-        when out, the prefill's last output, is given) in one frame on the doorbell. Never
-        raises: a failure is kept in h.doorbell_error, and _compute reports it on the stream."""
-        if self.options.debug_chunk_delay_s and len(chunks) > 1:  # fault injection: one chunk a frame
-            for i, chunk in enumerate(chunks):
-                self._ring(h, [chunk], out if i == len(chunks) - 1 else None, during_compute)
-            return
-        if h.doorbell_error is not None or h.lease.released:
-            return
-        try:
-            if h.send_started_at is None:
-                h.send_started_at = time.monotonic()
-            frame = kv_pb2.DoorbellFrame(ticket=h.ticket)
-            for r, t in chunks:
-                chunk = place_chunk(chunk_header(self._layout_msg, r, h.lease.num_tokens), t, h.shm, h.shm_next).chunk
-                h.shm_next += chunk.shm_size
-                h.bytes_sent += chunk.shm_size
-                if during_compute:
-                    h.bytes_before_compute_done += chunk.shm_size
-                frame.chunks.append(chunk)
-            if out is not None:
-                frame.done.CopyFrom(self._done_message(h, out))
-            if not h.doorbell.ring(frame):
-                raise ConnectionError(f"the doorbell socket {h.doorbell.path} broke: the decode worker left or "
-                                      f"stopped reading")
-            h.lease.renew(self.options.lease_seconds)
-            if out is not None:
-                h.done_sent = True
-            elif self.options.debug_chunk_delay_s:
-                time.sleep(self.options.debug_chunk_delay_s)  # holds the engine thread, like a slow copy
-        except Exception as e:  # noqa: BLE001 - see the docstring
-            log.warning("doorbell hand-off of %s failed: %s", h.lease.request_id, e)
-            h.doorbell_error = e
+        """Engine thread: for each chunk, place it in the region and send its header in a frame
+        on the doorbell, so the decode worker copies one chunk while this thread places the
+        next; PrefillDone (when out, the prefill's last output, is given) goes in the last frame.
+        Never raises: a failure is kept in h.doorbell_error, and _compute reports it on the stream."""
+        frames = [[c] for c in chunks] or [[]]
+        for i, frame_chunks in enumerate(frames):
+            last = i == len(frames) - 1
+            if h.doorbell_error is not None or h.lease.released:
+                return
+            try:
+                self._ring_one(h, frame_chunks, out if last else None, during_compute)
+            except Exception as e:  # noqa: BLE001 - see the docstring
+                log.warning("doorbell hand-off of %s failed: %s", h.lease.request_id, e)
+                h.doorbell_error = e
+                return
+            if self.options.debug_chunk_delay_s and not (last and out is not None):
+                time.sleep(self.options.debug_chunk_delay_s)  # fault injection: holds the engine thread
+
+    def _ring_one(self, h: _Handoff, chunks: list[tuple[ChunkRange, Payload]], out, during_compute: bool) -> None:
+        if h.send_started_at is None:
+            h.send_started_at = time.monotonic()
+        frame = kv_pb2.DoorbellFrame(ticket=h.ticket)
+        for r, t in chunks:
+            chunk = place_chunk(chunk_header(self._layout_msg, r, h.lease.num_tokens), t, h.shm, h.shm_next).chunk
+            h.shm_next += chunk.shm_size
+            h.bytes_sent += chunk.shm_size
+            if during_compute:
+                h.bytes_before_compute_done += chunk.shm_size
+            frame.chunks.append(chunk)
+        if out is not None:
+            frame.done.CopyFrom(self._done_message(h, out))
+        if not h.doorbell.ring(frame):
+            raise ConnectionError(f"the doorbell socket {h.doorbell.path} broke: the decode worker left or stopped "
+                                  f"reading")
+        h.lease.renew(self.options.lease_seconds)
+        if out is not None:
+            h.done_sent = True
 
     def _on_doorbell_ack(self, ticket: bytes, acked_at: float) -> None:
         """A doorbell connection's reader thread."""
