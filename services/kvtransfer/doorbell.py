@@ -23,6 +23,7 @@ Frames: a 4-byte little-endian length, then the protobuf message (kv.proto).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -106,8 +107,8 @@ class DoorbellHandoff:
     accept: Callable[[kv_pb2.KVChunk], ReceivedChunk]
     check_complete: Callable[[], None]
     write: Callable[[list[ReceivedChunk]], None]
-    loop: object  # asyncio.AbstractEventLoop
-    future: object  # asyncio.Future[kv_pb2.PrefillDone]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future  # of kv_pb2.PrefillDone
     first_chunk_at: float | None = None
     written_at: float | None = None
     live: bool = True  # False once the transport gave the hand-off up: later frames are dropped

@@ -260,7 +260,7 @@ class GrpcKVTransport(KVTransport):
             first_token=done.first_token_id,
             first_logprob=logprob_from_proto(done.first_logprob) if done.has_logprob else None,
             num_cached_tokens=done.num_cached_tokens, bytes=verifier.bytes,
-            seconds=(h.written_at or 0.0) - (h.first_chunk_at or h.written_at or 0.0),
+            seconds=h.written_at - (h.first_chunk_at or h.written_at),  # both set before the future resolves
             bytes_before_compute_done=done.bytes_before_compute_done, prefill_seconds=done.prefill_seconds)
 
 

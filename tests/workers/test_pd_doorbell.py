@@ -23,12 +23,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=11, max_tokens=10, ignore_eos=True, logprobs=2)
 
 
-async def _doorbell_pair(tmp_path, **prefill):
+async def _doorbell_pair(tmp_path, kv_doorbell: bool = True, **prefill):
     popts = WorkerOptions(max_message_bytes=16 * 1024, stream_min_tokens=200, layer_group_size=1, **prefill)
-    dopts = WorkerOptions(max_message_bytes=16 * 1024, kv_shm_bytes=4 << 20, kv_shm_dir=str(tmp_path))
+    dopts = WorkerOptions(max_message_bytes=16 * 1024, kv_shm_bytes=4 << 20, kv_shm_dir=str(tmp_path),
+                          kv_doorbell=kv_doorbell)
     pair = await start_pair(prefill_options=popts, decode_options=dopts)
-    assert pair.decode.doorbell is not None and pair.decode.doorbell.path.exists()
+    assert (pair.decode.doorbell is not None) == kv_doorbell
     return pair
+
+
+async def _assert_same_as_single_process(pair, ref: AsyncEngine, prompt: list[int], params) -> None:
+    got = await _outputs(pair.client.generate(prompt, params, prefill_addr=pair.prefill_addr))
+    assert _tokens_and_logprobs(got) == _tokens_and_logprobs(await _outputs(ref.generate(prompt, params)))
 
 
 async def _until(condition, what: str) -> None:
@@ -62,9 +68,7 @@ async def test_doorbell_hand_off_equals_single_process(tmp_path):
         prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 120, 300)]
         for prompt in prompts:
             for params in (GREEDY, SEEDED):
-                got = await _outputs(pair.client.generate(prompt, params, prefill_addr=pair.prefill_addr))
-                want = await _outputs(ref.generate(prompt, params))
-                assert _tokens_and_logprobs(got) == _tokens_and_logprobs(want)
+                await _assert_same_as_single_process(pair, ref, prompt, params)
         m = pair.prefill.metrics
         # The seeded runs find their prompt's full blocks in the decode worker's prefix cache; the
         # 7-token prompt has none, so each run hands off something.
@@ -102,9 +106,7 @@ async def test_broken_doorbell_fails_over_the_stream_and_strands_nothing(tmp_pat
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
         assert pair.decode.arena.free_bytes == pair.decode.arena.capacity
 
-        other = list(range(200, 260))
-        got = await _outputs(pair.client.generate(other, GREEDY, prefill_addr=pair.prefill_addr))
-        assert _tokens_and_logprobs(got) == _tokens_and_logprobs(await _outputs(ref.generate(other, GREEDY)))
+        await _assert_same_as_single_process(pair, ref, list(range(200, 260)), GREEDY)
         assert _count(pair.prefill.metrics.doorbells, "unreachable") == 1
         assert _count(pair.prefill.metrics.kv_handoffs, "ack") == 1
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
@@ -114,17 +116,12 @@ async def test_broken_doorbell_fails_over_the_stream_and_strands_nothing(tmp_pat
 
 
 async def test_without_the_doorbell_hand_offs_signal_on_the_stream(tmp_path):
-    popts = WorkerOptions(max_message_bytes=16 * 1024, stream_min_tokens=200)
-    dopts = WorkerOptions(max_message_bytes=16 * 1024, kv_shm_bytes=4 << 20, kv_shm_dir=str(tmp_path),
-                          kv_doorbell=False)
-    pair = await start_pair(prefill_options=popts, decode_options=dopts)
+    pair = await _doorbell_pair(tmp_path, kv_doorbell=False)
     ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
     await ref.start()
     try:
-        assert pair.decode.doorbell is None and [p.name for p in tmp_path.iterdir()] == [pair.decode.arena.path.name]
-        prompt = list(range(50, 130))
-        got = await _outputs(pair.client.generate(prompt, SEEDED, prefill_addr=pair.prefill_addr))
-        assert _tokens_and_logprobs(got) == _tokens_and_logprobs(await _outputs(ref.generate(prompt, SEEDED)))
+        assert [p.name for p in tmp_path.iterdir()] == [pair.decode.arena.path.name]  # no socket
+        await _assert_same_as_single_process(pair, ref, list(range(50, 130)), SEEDED)
         m = pair.prefill.metrics
         assert _count(m.shm_offers, "accepted") == 1 and _count(m.kv_handoffs, "ack") == 1
         assert _count(m.doorbells, "connected") == _count(m.doorbells, "unreachable") == 0
@@ -140,9 +137,7 @@ async def test_lost_doorbell_ack_is_covered_by_the_stream_ack(tmp_path, monkeypa
     ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
     await ref.start()
     try:
-        prompt = list(range(30, 130))
-        got = await _outputs(pair.client.generate(prompt, GREEDY, prefill_addr=pair.prefill_addr))
-        assert _tokens_and_logprobs(got) == _tokens_and_logprobs(await _outputs(ref.generate(prompt, GREEDY)))
+        await _assert_same_as_single_process(pair, ref, list(range(30, 130)), GREEDY)
         assert _count(pair.prefill.metrics.doorbells, "connected") == 1
         assert _count(pair.prefill.metrics.kv_handoffs, "ack") == 1
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
