@@ -9,7 +9,13 @@ and scatters it into its blocks (the engine's native scatter_blocks), then answe
 asyncio, no gRPC, no engine thread: what is left is moving freshly written bytes from one core
 to the other. The same steps in one process, on one core, are the baseline.
 
-    .venv/bin/python benchmarks/kv_shm_floor.py [--lengths 128,512,2048] [--runs 200]
+Back to back, the same few blocks stay in the caches between hand-offs ("hot"). A real hand-off
+follows a prefill, which streams the model's weights (128 MB for disagg.py's dummy model) through
+the caches and leaves the prompt's K/V, the region and the decode worker's free blocks in DRAM.
+The "cold" column models that: before each hand-off both processes sweep a buffer of --cold-mib
+MiB (default 64, twice the 32 MiB L3 of the VM this was written on), untimed.
+
+    .venv/bin/python benchmarks/kv_shm_floor.py [--lengths 128,512,2048] [--runs 200] [--cold-mib 64]
 """
 
 from __future__ import annotations
@@ -33,7 +39,21 @@ from kvrelay.v1 import kv_pb2
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 5, 4, 64, 16
 NUM_BLOCKS = 640
-FRAME = struct.Struct("<QQQ")  # offset, size, xxh3_64
+FRAME = struct.Struct("<QQQQ")  # offset, size, xxh3_64, MiB to sweep after the ack (0: hot)
+
+
+class Sweeper:
+    """Evicts this process's caches: writes every line of a buffer larger than the last-level cache."""
+
+    def __init__(self):
+        self._buf = np.zeros(0, dtype=np.uint8)
+
+    def sweep(self, mib: int) -> None:
+        if mib <= 0:
+            return
+        if self._buf.nbytes != mib << 20:
+            self._buf = np.zeros(mib << 20, dtype=np.uint8)
+        self._buf += 1
 
 
 def make_cache() -> torch.Tensor:
@@ -74,11 +94,15 @@ def decode_side(sock_path: str, arena_path: str, arena_size: int) -> None:
     server.listen()
     print("ready", flush=True)
     conn, _ = server.accept()
+    sweeper = Sweeper()
     while frame := conn.recv(FRAME.size, socket.MSG_WAITALL):
-        _, size, digest = FRAME.unpack(frame)
+        _, size, digest, cold_mib = FRAME.unpack(frame)
         n = size // (LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 4)
         take(cache, arena, torch.arange(NUM_BLOCKS - n, NUM_BLOCKS), size, digest)
         conn.sendall(b"k")
+        if cold_mib:
+            sweeper.sweep(cold_mib)
+            conn.sendall(b"r")  # swept: the next hand-off may start
 
 
 def median_ms(samples: list[float]) -> float:
@@ -89,6 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="128,512,2048")
     ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--cold-mib", type=int, default=64, help="MiB each process sweeps before a cold hand-off")
     ap.add_argument("--decode-side", nargs=3, help=argparse.SUPPRESS)  # internal: the second process
     args = ap.parse_args()
     if args.decode_side:
@@ -113,27 +138,36 @@ def main() -> None:
             conn.connect(sock_path)
             cache, arena = make_cache(), map_arena(arena_path, arena_size)
             local_cache = make_cache()  # the in-process baseline's decode cache
+            sweeper = Sweeper()
             print(f"cores {cores}: prefill side on {cores[0]}, decode side on {cores[-1]}; {args.runs} hand-offs "
                   f"per size, medians")
             for n in lengths:
                 blocks = list(range(-(-n // BLOCK)))
                 ids = torch.arange(NUM_BLOCKS - len(blocks), NUM_BLOCKS)
-                one_core, two_cores = [], []
+                one_core, two_cores, cold = [], [], []
                 for _ in range(args.runs):
                     t = time.perf_counter()
                     size, digest = place(cache, arena, blocks)
                     take(local_cache, arena, ids, size, digest)
                     one_core.append(time.perf_counter() - t)
-                for _ in range(args.runs):
-                    t = time.perf_counter()
-                    size, digest = place(cache, arena, blocks)
-                    conn.sendall(FRAME.pack(0, size, digest))
-                    if conn.recv(1) != b"k":
-                        raise RuntimeError("decode side gone")
-                    two_cores.append(time.perf_counter() - t)
+                for samples, cold_mib in [(two_cores, 0)] + [(cold, args.cold_mib)] * (args.cold_mib > 0):
+                    for _ in range(args.runs):
+                        sweeper.sweep(cold_mib)
+                        t = time.perf_counter()
+                        size, digest = place(cache, arena, blocks)
+                        conn.sendall(FRAME.pack(0, size, digest, cold_mib))
+                        if conn.recv(1) != b"k":
+                            raise RuntimeError("decode side gone")
+                        samples.append(time.perf_counter() - t)
+                        if cold_mib and conn.recv(1) != b"r":
+                            raise RuntimeError("decode side gone")
                 a, b = median_ms(one_core), median_ms(two_cores)
-                print(f"  {n:>5} tokens ({size / 1e6:5.1f} MB): one process {a:6.3f} ms ({size / a / 1e6:5.2f} GB/s), "
-                      f"two processes {b:6.3f} ms ({size / b / 1e6:5.2f} GB/s), ratio {b / a:4.2f}x", flush=True)
+                line = (f"  {n:>5} tokens ({size / 1e6:5.1f} MB): one process {a:6.3f} ms ({size / a / 1e6:5.2f} GB/s), "
+                        f"two processes {b:6.3f} ms ({size / b / 1e6:5.2f} GB/s), ratio {b / a:4.2f}x")
+                if cold:
+                    c = median_ms(cold)
+                    line += f"; two processes, cold caches {c:6.3f} ms ({size / c / 1e6:5.2f} GB/s), {c / b:4.2f}x hot"
+                print(line, flush=True)
             conn.close()
         finally:
             peer.terminate()

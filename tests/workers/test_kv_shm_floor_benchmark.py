@@ -1,5 +1,6 @@
 """benchmarks/kv_shm_floor.py must keep running against the code it measures (chunk_wire's
-place_chunk, the native scatter): a tiny run checks every hand-off's hash on the decode side."""
+place_chunk, the native scatter): a tiny run checks every hand-off's hash on the decode side, hot
+and after both processes swept their caches."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_floor_benchmark_moves_verified_kv_between_two_processes():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_shm_floor.py"), "--lengths", "16,40",
-                          "--runs", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+                          "--runs", "3", "--cold-mib", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line for line in out.stdout.splitlines() if "two processes" in line]
     assert [row.split()[0] for row in rows] == ["16", "40"], out.stdout
+    assert all("cold caches" in row for row in rows), out.stdout
