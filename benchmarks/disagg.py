@@ -14,7 +14,8 @@ thread each; the client shares the core of the process that does not decode) wit
     shared-memory arena ("shm", --kv-shm-bytes: what a prefill and decode pod on one node use),
     whose hand-offs signal on the doorbell socket between the engine threads; "shm,
     gRPC-signalled" (--no-kv-doorbell) signals on the gRPC stream instead, as the doorbell's
-    baseline.
+    baseline; "shm, direct" (prefill --kv-shared-cache) has the decode worker copy the blocks
+    straight out of the prefill worker's cache instead of through the region (one copy, not two).
 The single-process baseline is a decode worker prefilling locally: same process, same client
 path, no hand-off. Configurations run one after another, each with only its own workers alive:
 with all five workers up at once on 2 cores, loopback TCP stalled hand-offs for 80-200 ms
@@ -118,6 +119,7 @@ CONFIGS = (  # name, prefill worker flags (None: no prefill worker, the decode w
     ("disagg, layer-streamed", STREAMED, ()),
     ("shm, after prefill", AFTER, SHM),
     ("shm, gRPC-signalled", AFTER, (*SHM, "--no-kv-doorbell")),  # the doorbell's baseline
+    ("shm, direct", (*AFTER, "--kv-shared-cache"), SHM),  # doorbell, copied out of the prefill's cache
     ("shm, layer-streamed", STREAMED, SHM),
 )
 COUNTERS = ("kvrelay:kv_transfer_bytes_total", "kvrelay:kv_transfer_seconds_sum",
@@ -227,6 +229,10 @@ async def main() -> None:
     for n in lengths if bell and grpc_signalled else ():
         print(f"  shm: doorbell {bell[n]['gbps']:.2f} GB/s vs gRPC-signalled {grpc_signalled[n]['gbps']:.2f} GB/s at {n} "
               f"tokens ({bell[n]['gbps'] / grpc_signalled[n]['gbps']:.2f}x)")
+    direct = results.get("shm, direct")
+    for n in lengths if bell and direct else ():
+        print(f"  shm: direct {direct[n]['gbps']:.2f} GB/s vs through the region {bell[n]['gbps']:.2f} GB/s at {n} "
+              f"tokens ({direct[n]['gbps'] / bell[n]['gbps']:.2f}x)")
 
 
 if __name__ == "__main__":

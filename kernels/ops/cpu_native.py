@@ -48,6 +48,7 @@ _ARGTYPES = {
     "rotary_f32": [_P] * 4 + [_I] * 5 + [_N],
     "write_kv_rows": [_P] * 5 + [_I] * 5,
     "scatter_blocks_rows": [_P] * 3 + [_I] * 5,
+    "copy_blocks_rows": [_P] * 4 + [_I] * 6,
     "packed_linear_f32": [_P] + [_I] * 3 + [_P, _I, _P, _P, _N],
     "packed_linear_f32_available": [],
 }
@@ -316,6 +317,29 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, buffer: torc
         kv_cache.shape[2], block_bytes)
     if status != 0:
         raise IndexError(f"a block id lies outside the KV cache's {kv_cache.shape[2]} blocks")
+
+
+def supports_copy_blocks(dst_cache: torch.Tensor, dst_ids: torch.Tensor, src_cache: torch.Tensor,
+                         src_ids: torch.Tensor, layer_start: int, layer_end: int) -> bool:
+    """Contiguous CPU caches of one dtype and block shape, one id list per side of equal length."""
+    return (dst_cache.device.type == src_cache.device.type == "cpu" and dst_cache.dtype == src_cache.dtype
+            and dst_cache.dim() == src_cache.dim() == 6 and dst_cache.shape[:2] == src_cache.shape[:2]
+            and dst_cache.shape[3:] == src_cache.shape[3:] and dst_cache.is_contiguous()
+            and src_cache.is_contiguous() and 0 <= layer_start < layer_end <= dst_cache.shape[0]
+            and dst_ids.dim() == src_ids.dim() == 1 and dst_ids.numel() == src_ids.numel())
+
+
+def copy_blocks(dst_cache: torch.Tensor, dst_ids: torch.Tensor, src_cache: torch.Tensor, src_ids: torch.Tensor,
+                layer_start: int, layer_end: int) -> None:
+    """The caller checks supports_copy_blocks first."""
+    d, s = dst_ids.to(torch.int64).contiguous(), src_ids.to(torch.int64).contiguous()
+    block_bytes = dst_cache[0, 0, 0].numel() * dst_cache.element_size()
+    status = library().copy_blocks_rows(
+        dst_cache.data_ptr(), src_cache.data_ptr(), d.data_ptr(), s.data_ptr(), d.numel(), layer_end - layer_start,
+        layer_start, dst_cache.shape[2], src_cache.shape[2], block_bytes)
+    if status != 0:
+        raise IndexError(f"a block id lies outside its cache ({dst_cache.shape[2]} blocks to, {src_cache.shape[2]} "
+                         f"from)")
 
 
 # ---- linear over packed weights (fp32) --------------------------------------------------------

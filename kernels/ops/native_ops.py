@@ -89,6 +89,14 @@ def scatter_blocks(
     return reference.scatter_blocks(kv_cache, block_ids, buffer, layer_start, layer_end)
 
 
+def copy_blocks(dst_cache: torch.Tensor, dst_ids: torch.Tensor, src_cache: torch.Tensor, src_ids: torch.Tensor,
+                layer_start: int, layer_end: int) -> None:
+    """Not a registry op: the same-node direct hand-off's copy between two CPU caches."""
+    if cpu_native.supports_copy_blocks(dst_cache, dst_ids, src_cache, src_ids, layer_start, layer_end):
+        return cpu_native.copy_blocks(dst_cache, dst_ids, src_cache, src_ids, layer_start, layer_end)
+    return reference.copy_blocks(dst_cache, dst_ids, src_cache, src_ids, layer_start, layer_end)
+
+
 def prepack_linear(weight: torch.Tensor) -> PackedWeight | None:
     """fp32 CPU weights packed for the native kernel where this machine has it (see csrc/linear.c)."""
     fits = weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2

@@ -220,6 +220,14 @@ def scatter_blocks(
     kv_cache[layer_start:layer_end, :, block_ids.long()] = buffer.to(kv_cache.dtype)
 
 
+def copy_blocks(dst_cache: torch.Tensor, dst_ids: torch.Tensor, src_cache: torch.Tensor, src_ids: torch.Tensor,
+                layer_start: int, layer_end: int) -> None:
+    """dst block dst_ids[j] <- src block src_ids[j] of layers [layer_start, layer_end), K and V,
+    between two caches of the same block shape (the number of blocks may differ)."""
+    src = src_cache[layer_start:layer_end].index_select(2, src_ids.long())
+    dst_cache[layer_start:layer_end, :, dst_ids.long()] = src.to(dst_cache.dtype)
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: weight[N, K] -> (int8[N, K], fp32 scale[N])."""
     w = weight.float()

@@ -32,8 +32,8 @@ from kvrelay.kvtransfer.errors import (
     RequestAbortedError,
     WorkerUnavailableError,
 )
-from kvrelay.kvtransfer.layout import ReceivedChunk
-from kvrelay.kvtransfer.shm import DOORBELL_SUFFIX, ShmArena
+from kvrelay.kvtransfer.layout import DirectChunk, ReceivedChunk
+from kvrelay.kvtransfer.shm import DOORBELL_SUFFIX, ShmArena, SourceCaches
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.transport import GrpcKVTransport, HandoffRequest, KVDestination, KVTransport
 from kvrelay.kvtransfer.worker_base import WorkerBase, WorkerOptions
@@ -61,8 +61,11 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
             self.arena = ShmArena(self.options.kv_shm_bytes, self.options.kv_shm_dir)
             self.metrics.track_shm_arena(self.arena)
             self.doorbell = self._open_doorbell(self.arena) if self.options.kv_doorbell else None
+        # Direct hand-offs copy from a prefill worker's cache into ours: host memory to host memory.
+        sources = SourceCaches(self.layout) if engine.engine.device.type == "cpu" else None
         self.transport = transport or GrpcKVTransport(self.layout, self.options.max_message_bytes,
-                                                      self.options.handoff_timeout_s, self.arena, self.doorbell)
+                                                      self.options.handoff_timeout_s, self.arena, self.doorbell,
+                                                      sources)
         self.load.kv_shm = self.arena is not None
         self._requests: dict[str, _Request] = {}
 
@@ -221,15 +224,19 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
                              num_generated_tokens=0)
 
 
-def _write_blocks(llm, rid: str, block_ids: list[int], batch: list[ReceivedChunk]) -> None:
+def _write_blocks(llm, rid: str, block_ids: list[int], batch: list[ReceivedChunk | DirectChunk]) -> None:
     """Check each chunk's checksum and copy it into the request's reserved blocks, only while the
     request still holds exactly those blocks (LLMEngine.write_reserved; any thread). A corrupted
-    chunk raises ChunkError before any of its bytes is written."""
+    chunk raises ChunkError before any of its bytes is written; a direct one after its copy into
+    the still-unused reserved blocks (DirectChunk), which the failed hand-off then frees."""
 
     def scatter() -> None:
         ids = torch.tensor(block_ids, dtype=torch.long, device=llm.device)
         for chunk in batch:
             r = chunk.range
+            if isinstance(chunk, DirectChunk):  # from the prefill worker's shared cache, checked after
+                chunk.copy_into(llm.kv_cache, block_ids[r.block_start:r.block_end])
+                continue
             llm.ops.scatter_blocks(llm.kv_cache, ids[r.block_start:r.block_end],
                                    chunk.checked_tensor().to(llm.device), r.layer_start, r.layer_end)
 

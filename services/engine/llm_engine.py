@@ -51,8 +51,11 @@ def _as_id_set(value) -> set[int]:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, kv_cache_storage: Callable[[int], torch.Tensor] | None = None):
+        """kv_cache_storage(nbytes): zeroed host memory for the KV cache as a uint8 tensor, where
+        it must live somewhere shared (a prefill worker's kvtransfer.shm.SharedKVCache); CPU only."""
         self.args = args
+        self.kv_cache_storage = kv_cache_storage
         model_dir = Path(args.model)
         if not model_dir.is_dir():
             raise ModelLoadError(f"{model_dir}: model folder not found")
@@ -105,11 +108,13 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), less than one "
                 f"sequence of max_model_len {self.max_model_len}: raise --kv-cache-memory or lower --max-model-len"
             )
-        self.kv_cache = torch.zeros(
-            (cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        shape = (cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+        if kv_cache_storage is not None:
+            if self.device.type != "cpu":
+                raise ValueError("a KV cache in shared host memory needs --device cpu")
+            self.kv_cache = kv_cache_storage(num_blocks * bytes_per_block).view(self.dtype).view(shape)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.device.type == "cpu":
             # torch.zeros of this size maps pages lazily; touch them all now, so the memory is
             # committed at start (not when a pod is already serving) and writing a block never

@@ -65,8 +65,26 @@ def payload_pieces(kv_cache: torch.Tensor, block_ids: list[int], layer_start: in
     """Views (no copy) of blocks of layers [layer_start, layer_end) of a CPU cache, in the order
     gather_blocks would pack them; encode_chunk_message joins them in its one copy. The blocks must
     not change until then (the prefill worker holds them under a lease)."""
-    raw = kv_cache.view(torch.uint8).numpy()  # bytes, so bf16 caches work too
-    return [raw[layer, kv, block] for layer in range(layer_start, layer_end) for kv in (0, 1) for block in block_ids]
+    return block_pieces(kv_cache.view(torch.uint8).numpy(), block_ids, layer_start, layer_end)  # bytes: bf16 too
+
+
+def block_pieces(raw: np.ndarray, block_ids: list[int], layer_start: int, layer_end: int) -> list[np.ndarray]:
+    """payload_pieces of a cache's bytes (uint8, [L, 2, num_blocks, ...]): one view per run of
+    consecutive block ids, so a freshly allocated prompt is a few large views, not one per block."""
+    runs, start = [], 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+            runs.append((block_ids[start], block_ids[i - 1] + 1))
+            start = i
+    return [raw[layer, kv, a:b] for layer in range(layer_start, layer_end) for kv in (0, 1) for a, b in runs]
+
+
+def pieces_checksum(pieces: list[np.ndarray]) -> int:
+    """checksum() of the pieces' bytes joined, without joining them."""
+    digest = xxhash.xxh3_64()
+    for piece in pieces:
+        digest.update(piece)
+    return digest.intdigest()
 
 
 def payload_size(data: Payload) -> int:
@@ -99,10 +117,7 @@ def encode_chunk_message(header: kv_pb2.KVChunk, data: Payload) -> bytes:
 
     header carries every KVChunk field but data (layout.chunk_header); its xxh3_64 is set here."""
     pieces = payload_arrays(data)
-    digest = xxhash.xxh3_64()
-    for piece in pieces:
-        digest.update(piece)
-    header.xxh3_64 = digest.intdigest()
+    header.xxh3_64 = pieces_checksum(pieces)
     head_bytes = header.SerializeToString()
     size = payload_size(pieces)
     data_prefix = bytes([DATA_FIELD << 3 | _LEN]) + _varint(size)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrelay.kvtransfer.errors import ChunkError, HandoffError
-from kvrelay.kvtransfer.layout import ReceivedChunk
+from kvrelay.kvtransfer.layout import DirectChunk, ReceivedChunk
 from kvrelay.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
@@ -98,15 +98,16 @@ def _close(sock: socket.socket) -> None:
 class DoorbellHandoff:
     """Decode side: one hand-off that expects its chunks on the doorbell.
 
-    accept verifies a chunk header and returns the chunk (raises ChunkError); check_complete
+    accept verifies a chunk header (and the frame's source, the prefill worker's shared cache for
+    a direct chunk) and returns the chunk (raises ChunkError); check_complete
     proves every (layer, block) arrived; write checks the chunks' checksums and copies them into
     the reserved blocks (raises if the request no longer holds them). future resolves on the
     event loop with the last frame's PrefillDone once everything is written, or with the error."""
 
     ticket: bytes
-    accept: Callable[[kv_pb2.KVChunk], ReceivedChunk]
+    accept: Callable[[kv_pb2.KVChunk, kv_pb2.ShmRegion | None], ReceivedChunk | DirectChunk]  # (chunk, source)
     check_complete: Callable[[], None]
-    write: Callable[[list[ReceivedChunk]], None]
+    write: Callable[[list[ReceivedChunk | DirectChunk]], None]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future  # of kv_pb2.PrefillDone
     first_chunk_at: float | None = None
@@ -206,7 +207,8 @@ class DoorbellServer:
             if not h.live:
                 return
             try:
-                chunks = [h.accept(c) for c in frame.chunks]
+                source = frame.source if frame.HasField("source") else None
+                chunks = [h.accept(c, source) for c in frame.chunks]
                 if chunks and h.first_chunk_at is None:
                     h.first_chunk_at = time.monotonic()
                 if done is not None:

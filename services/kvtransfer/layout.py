@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from kvrelay.kvtransfer.chunk_wire import checksum
+from kvrelay.kernels import native_ops
+from kvrelay.kvtransfer.chunk_wire import block_pieces, checksum, pieces_checksum
 from kvrelay.kvtransfer.errors import ChunkError, LayoutMismatchError
 from kvrelay.v1 import kv_pb2
 
@@ -169,6 +170,31 @@ class ReceivedChunk:
             return torch.frombuffer(self.data, dtype=torch.uint8).view(self.dtype).reshape(self.shape)
 
 
+@dataclass(frozen=True)
+class DirectChunk:
+    """A direct chunk that passed ChunkVerifier.accept_direct: its bytes are blocks source_ids of
+    the prefill worker's cache. copy_into copies them into the receiver's blocks, then checks the
+    checksum of what landed there: the source is another process's memory, which could change
+    under the copy (its lease expired), so only the copied bytes prove anything. The blocks are
+    the request's reservation, unused until the hand-off completes, so a chunk that fails the
+    check leaves nothing behind: the hand-off fails and the reservation is freed."""
+
+    range: ChunkRange
+    source: torch.Tensor
+    source_ids: list[int]
+    xxh3_64: int
+
+    def copy_into(self, kv_cache: torch.Tensor, block_ids: list[int]) -> None:
+        r = self.range
+        native_ops.copy_blocks(kv_cache, torch.tensor(block_ids), self.source, torch.tensor(self.source_ids),
+                               r.layer_start, r.layer_end)
+        raw = kv_cache.view(torch.uint8).numpy()
+        digest = pieces_checksum(block_pieces(raw, block_ids, r.layer_start, r.layer_end))
+        if digest != self.xxh3_64:
+            raise ChunkError(f"KV chunk checksum mismatch after the direct copy (xxh3_64 {digest:#018x}, sent "
+                             f"{self.xxh3_64:#018x}): the prefill worker's blocks changed under the copy")
+
+
 class ChunkVerifier:
     """Receiver side of one hand-off: verifies each chunk against the expected layout and
     request size, tracks which (layer, block) slices arrived, and proves completeness.
@@ -195,6 +221,33 @@ class ChunkVerifier:
         view, from chunk_wire) or else chunk.data; raises LayoutMismatchError or ChunkError. Its
         checksum is checked by ReceivedChunk.checked_tensor, the only way to its bytes."""
         lay = self.layout
+        r = self._check_range(chunk)
+        shape = (r.layer_end - r.layer_start, 2, r.block_end - r.block_start, lay.block_size,
+                 lay.num_kv_heads, lay.head_dim)
+        want = int(np.prod(shape)) * lay.torch_dtype.itemsize
+        data = chunk.data if payload is None else payload  # chunk.data copies on each access: read once
+        if len(data) != want:
+            raise ChunkError(f"KV chunk carries {len(data)} bytes, its shape {shape} needs {want}")
+        self._mark(r, want)
+        return ReceivedChunk(r, data, chunk.xxh3_64, shape, lay.torch_dtype)
+
+    def accept_direct(self, chunk: kv_pb2.KVChunk, source: torch.Tensor) -> DirectChunk:
+        """accept() for a chunk of the direct hand-off, whose bytes are the blocks
+        chunk.source_block_ids of source (the prefill worker's cache, read-only). Its checksum is
+        checked by DirectChunk.copy_into, on what landed in the receiver's blocks."""
+        r = self._check_range(chunk)
+        if chunk.data or chunk.shm_size:
+            raise ChunkError("a direct KV chunk must not carry bytes inline or in the region")
+        ids = list(chunk.source_block_ids)
+        if len(ids) != r.block_end - r.block_start or not all(0 <= b < source.shape[2] for b in ids):
+            raise ChunkError(f"direct KV chunk names {len(ids)} source blocks for {r.block_end - r.block_start} "
+                             f"blocks, or one outside the prefill worker's {source.shape[2]}")
+        size = (r.layer_end - r.layer_start) * len(ids) * self.layout.bytes_per_block_layer
+        self._mark(r, size)
+        return DirectChunk(r, source, ids, chunk.xxh3_64)
+
+    def _check_range(self, chunk: kv_pb2.KVChunk) -> ChunkRange:
+        lay = self.layout
         check_layout(lay, KVLayout.from_proto(chunk.layout), "KV chunk")
         r = ChunkRange(chunk.layer_start, chunk.layer_end, chunk.block_start, chunk.block_end)
         if not (0 <= r.layer_start < r.layer_end <= lay.num_layers
@@ -204,19 +257,15 @@ class ChunkVerifier:
                              f"{self.num_blocks}) expected")
         if chunk.num_tokens != self.num_tokens:
             raise ChunkError(f"KV chunk describes {chunk.num_tokens} tokens, the request has {self.num_tokens}")
-        shape = (r.layer_end - r.layer_start, 2, r.block_end - r.block_start, lay.block_size,
-                 lay.num_kv_heads, lay.head_dim)
-        want = int(np.prod(shape)) * lay.torch_dtype.itemsize
-        data = chunk.data if payload is None else payload  # chunk.data copies on each access: read once
-        if len(data) != want:
-            raise ChunkError(f"KV chunk carries {len(data)} bytes, its shape {shape} needs {want}")
+        return r
+
+    def _mark(self, r: ChunkRange, size: int) -> None:
         window = self.seen[r.layer_start:r.layer_end, r.block_start:r.block_end]
         if window.any():
             raise ChunkError(f"KV chunk layers [{r.layer_start}, {r.layer_end}) blocks [{r.block_start}, "
                              f"{r.block_end}) overlaps a slice already received")
         window[:] = True
-        self.bytes += want
-        return ReceivedChunk(r, data, chunk.xxh3_64, shape, lay.torch_dtype)
+        self.bytes += size
 
     def check_complete(self) -> None:
         missing = int((~self.seen).sum())

@@ -81,6 +81,10 @@ class WorkerMetrics:
                                  "Prefill side: shared-memory hand-offs whose decode worker offered a doorbell "
                                  "socket, by whether this worker reached it (connected) or signalled on gRPC (unreachable).",
                                  ["outcome"], registry=r)
+        self.direct = Counter("kvrelay:kv_direct_handoffs",
+                              "Prefill side: doorbell hand-offs whose decode worker copied the K/V straight out "
+                              "of this worker's shared KV cache (--kv-shared-cache) instead of a region.",
+                              registry=r)
         self.failures = Counter("kvrelay:kv_transfer_failures", "Failed hand-offs by reason.", ["reason"],
                                 registry=r)
 

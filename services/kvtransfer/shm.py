@@ -16,6 +16,11 @@ so a crash-looping decode worker on a hostPath cannot fill the node's memory wit
 Cost per byte: one copy in (prefill: cache blocks -> region), one checksum each side, one copy
 out (decode: region -> reserved blocks). No socket, no kernel copies, no page faults after the
 arena's first use.
+
+Direct hand-off (prefill worker with --kv-shared-cache): the prefill worker's whole KV cache lives
+in an arena file of its own (SharedKVCache), and a decode worker on the same node maps it
+read-only (SourceCaches) and copies the held blocks straight into its reserved ones: one copy
+instead of two, and still only the decode worker writes into its cache.
 """
 
 from __future__ import annotations
@@ -28,10 +33,14 @@ import secrets
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+from kvrelay.kvtransfer.layout import KVLayout
+from kvrelay.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
 
@@ -212,3 +221,78 @@ class ShmOpener:
 
     def close(self) -> None:
         self._maps.clear()  # the mmaps unmap when the last view of them goes
+
+
+class SharedKVCache:
+    """Prefill side: LLMEngine's kv_cache_storage for a cache in an arena file (DATA_START on),
+    which decode workers on the same node may map read-only (the direct hand-off)."""
+
+    def __init__(self, directory: str | Path = "/dev/shm"):
+        self.directory = directory
+        self.arena: ShmArena | None = None
+        self.nbytes = 0
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        """nbytes of zeroed, committed shared memory as a uint8 tensor."""
+        self.arena = ShmArena(DATA_START + nbytes, self.directory)
+        self.nbytes = nbytes
+        return torch.from_numpy(self.arena.view[DATA_START:DATA_START + nbytes])
+
+    def offer(self) -> kv_pb2.ShmRegion:
+        """The cache file: path, nonce, and where the cache lies in it."""
+        return kv_pb2.ShmRegion(path=str(self.arena.path), nonce=self.arena.nonce, offset=DATA_START,
+                                size=self.nbytes)
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+
+
+class SourceCaches:
+    """Decode side: prefill workers' shared KV caches, mapped read-only once each, as tensors
+    [L, 2, num_blocks, block_size, kv_heads, head_dim] of the decode worker's own layout."""
+
+    def __init__(self, layout: KVLayout):
+        self._block = (layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self._layers = layout.num_layers
+        self._dtype = layout.torch_dtype
+        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._lock = threading.Lock()  # doorbell reader threads, one per prefill worker
+
+    def open(self, region) -> torch.Tensor:
+        """The cache a kv_pb2.ShmRegion names; raises OSError when this worker cannot map it or
+        the file is not (or no longer) that prefill worker's cache."""
+        with self._lock:
+            entry = self._maps.get(region.path)
+            if entry is not None and entry[0][:NONCE_BYTES] != region.nonce:
+                del self._maps[region.path]  # replaced by another worker's file of that name
+                entry = None
+            if entry is None:
+                entry = self._map(region)
+                self._maps[region.path] = entry
+            return entry[1]
+
+    def _map(self, region) -> tuple[mmap.mmap, torch.Tensor]:
+        for path in [p for p in self._maps if not os.path.exists(p)]:
+            del self._maps[path]  # their prefill worker stopped: let the pages go
+        fd = os.open(region.path, os.O_RDONLY)
+        try:
+            m = mmap.mmap(fd, 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        if len(region.nonce) != NONCE_BYTES or m[:NONCE_BYTES] != region.nonce:
+            raise OSError(f"{region.path} is not the prefill worker's KV cache (nonce differs)")
+        per_block = int(np.prod(self._block)) * self._dtype.itemsize * 2 * self._layers
+        if region.offset != DATA_START or region.size % per_block or region.offset + region.size > len(m):
+            raise OSError(f"{region.path}: {region.size} B at {region.offset} is not a KV cache of this layout "
+                          f"({per_block} B per block) within its {len(m)} B")
+        num_blocks = region.size // per_block
+        raw = np.frombuffer(m, dtype=np.uint8, count=region.size, offset=region.offset)
+        with warnings.catch_warnings():  # read-only: the copy only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            cache = torch.frombuffer(raw, dtype=torch.uint8).view(self._dtype)
+        return m, cache.view(self._layers, 2, num_blocks, *self._block)
+
+    def close(self) -> None:
+        with self._lock:
+            self._maps.clear()

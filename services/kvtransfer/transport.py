@@ -48,7 +48,7 @@ from kvrelay.kvtransfer.layout import (
     ReceivedChunk,
     check_layout,
 )
-from kvrelay.kvtransfer.shm import Region, ShmArena
+from kvrelay.kvtransfer.shm import Region, ShmArena, SourceCaches
 from kvrelay.v1 import kv_pb2
 
 WriteFn = Callable[[list[ReceivedChunk]], Awaitable[None]]
@@ -103,9 +103,13 @@ class GrpcKVTransport(KVTransport):
     """K/V travels inline on PrefillService.Prefill, a stream the decode side opens and reads."""
 
     def __init__(self, layout: KVLayout, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 timeout_s: float = 300.0, arena: ShmArena | None = None, doorbell: DoorbellServer | None = None):
+                 timeout_s: float = 300.0, arena: ShmArena | None = None, doorbell: DoorbellServer | None = None,
+                 sources: SourceCaches | None = None):
         self.layout = layout
         self.doorbell = doorbell  # offered with the arena's regions
+        # Given (a CPU cache): doorbell hand-offs may copy straight out of a prefill worker's
+        # shared cache (the direct hand-off) instead of its region.
+        self.sources = sources if doorbell is not None else None
         self.max_message_bytes = max_message_bytes
         self.timeout_s = timeout_s
         self.arena = arena  # offered to every prefill worker; those on this node write into it
@@ -187,6 +191,7 @@ class GrpcKVTransport(KVTransport):
                 # the header is read here.
                 attempt.doorbell = self._register_doorbell(verifier, _ShmReader(self.arena, region), dest)
                 start.shm.doorbell, start.shm.ticket = str(self.doorbell.path), attempt.doorbell.ticket
+                start.shm.direct = self.sources is not None
         await call.write(kv_pb2.PrefillClientMessage(start=start))
         rx = await _read(call)
         if rx.kind() != "header":
@@ -240,7 +245,19 @@ class GrpcKVTransport(KVTransport):
 
     def _register_doorbell(self, verifier: ChunkVerifier, shm: _ShmReader, dest: KVDestination) -> DoorbellHandoff:
         loop = asyncio.get_running_loop()
-        h = DoorbellHandoff(ticket=secrets.token_bytes(16), accept=lambda c: verifier.accept(c, shm.payload(c)),
+
+        def accept(chunk: kv_pb2.KVChunk, source: kv_pb2.ShmRegion | None):
+            if not chunk.source_block_ids:
+                return verifier.accept(chunk, shm.payload(chunk))
+            if source is None or self.sources is None:
+                raise ChunkError("a direct KV chunk came without a shared cache this decode worker offered to read")
+            try:
+                cache = self.sources.open(source)
+            except (OSError, ValueError) as e:
+                raise ChunkError(f"cannot map the prefill worker's shared KV cache {source.path}: {e}") from e
+            return verifier.accept_direct(chunk, cache)
+
+        h = DoorbellHandoff(ticket=secrets.token_bytes(16), accept=accept,
                             check_complete=verifier.check_complete, write=dest.write_now, loop=loop,
                             future=loop.create_future())
         self.doorbell.register(h)

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 import grpc
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
+from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
 from kvrelay.kvtransfer.grpc_options import server_options
 from kvrelay.kvtransfer.layout import DEFAULT_MAX_MESSAGE_BYTES, KVLayout, plan_chunks
 from kvrelay.kvtransfer.load import LoadServicer
 from kvrelay.kvtransfer.metrics import WorkerMetrics
+from kvrelay.kvtransfer.shm import SharedKVCache
 from kvrelay.v1 import load_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,9 @@ class WorkerOptions:
     # With the arena, a Unix socket beside it on which same-node hand-offs signal between the
     # engine threads (kvrelay.kvtransfer.doorbell); False: they signal on the gRPC stream.
     kv_doorbell: bool = True
+    # prefill side: the KV cache in a shared-memory file in kv_shm_dir, so a decode worker on this
+    # node copies held blocks straight out of it (the direct hand-off; needs its doorbell).
+    kv_shared_cache: bool = False
 
 
 def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -75,6 +80,12 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
                             help="stream layer groups while computing for prompts at least this long")
         parser.add_argument("--debug-chunk-delay", dest="debug_chunk_delay_s", type=float, default=0.0,
                             help=argparse.SUPPRESS)  # fault injection for tests
+        parser.add_argument("--kv-shared-cache", action="store_true",
+                            help="keep the KV cache in a shared-memory file in --kv-shm-dir, so that decode "
+                                 "workers on this node with a doorbell copy held blocks straight out of it (one "
+                                 "copy instead of two; CPU only; the file is as big as the KV cache)")
+        parser.add_argument("--kv-shm-dir", default=d.kv_shm_dir,
+                            help="memory-backed directory the decode workers also mount, for --kv-shared-cache")
     else:
         parser.add_argument("--no-local-prefill", dest="allow_local_prefill", action="store_false",
                             help="fail requests whose prefill workers all failed instead of prefilling here")
@@ -88,6 +99,12 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--no-kv-doorbell", dest="kv_doorbell", action="store_false",
                             help="with --kv-shm-bytes: no doorbell socket beside the arena; chunk headers and "
                                  "acks of same-node hand-offs go on the gRPC stream")
+
+
+def make_engine(args: EngineArgs, options: WorkerOptions) -> AsyncEngine:
+    """A worker's engine; with kv_shared_cache (prefill workers) its KV cache is a SharedKVCache."""
+    storage = SharedKVCache(options.kv_shm_dir) if options.kv_shared_cache else None
+    return AsyncEngine(engine=LLMEngine(args, kv_cache_storage=storage))
 
 
 def options_from_cli(args: argparse.Namespace) -> WorkerOptions:
@@ -157,9 +174,10 @@ def _stop_with_parent() -> None:
 async def serve_forever(worker_cls, args: argparse.Namespace) -> int:
     _stop_with_parent()
     keep_large_buffers_mapped()
-    engine = AsyncEngine(EngineArgs.from_cli(args))
+    options = options_from_cli(args)
     try:
-        worker = worker_cls(engine, options_from_cli(args))
+        engine = make_engine(EngineArgs.from_cli(args), options)
+        worker = worker_cls(engine, options)
     except (OSError, ValueError) as e:  # a message size that cannot carry a block, an arena that does not fit
         raise SystemExit(f"kvrelay {worker_cls.role}: {e}") from None
     port = await worker.start(args.host, args.port)

@@ -34,8 +34,10 @@ from kvrelay.kvtransfer.chunk_wire import (
     PREFILL_SERVICE,
     Payload,
     encode_chunk_message,
+    payload_arrays,
     payload_pieces,
     payload_size,
+    pieces_checksum,
     place_chunk,
 )
 from kvrelay.kvtransfer.convert import logprob_to_proto, params_from_proto
@@ -43,7 +45,7 @@ from kvrelay.kvtransfer.doorbell import DoorbellClient, DoorbellConn
 from kvrelay.kvtransfer.errors import LayoutMismatchError
 from kvrelay.kvtransfer.layout import ChunkRange, KVLayout, check_layout, chunk_header, plan_chunks
 from kvrelay.kvtransfer.leases import Lease, LeaseTable
-from kvrelay.kvtransfer.shm import ShmOpener
+from kvrelay.kvtransfer.shm import SharedKVCache, ShmOpener
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.worker_base import WorkerBase, WorkerOptions
 from kvrelay.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
@@ -72,6 +74,8 @@ class _Handoff:
     doorbell: DoorbellConn | None = None  # set: chunks and done go on the decode worker's doorbell
     ticket: bytes = b""  # the hand-off's name on the doorbell
     doorbell_error: Exception | None = None  # a ring failed (engine thread): the hand-off fails
+    direct: bool = False  # the decode worker copies the blocks out of this worker's shared cache
+    block_table: list[int] = dataclasses.field(default_factory=list)  # of the last gather (engine thread)
     started_at: float = 0.0  # when the prefill was submitted (monotonic)
 
 
@@ -121,6 +125,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         self._by_ticket: dict[bytes, _Handoff] = {}  # doorbell hand-offs by ticket (guarded by _lock)
         self._ringing: dict[str, _Handoff] = {}  # lease id -> doorbell hand-off still computing (_lock)
         engine.after_step = self._after_step
+        storage = self.llm.kv_cache_storage
+        self.shared_cache = storage if isinstance(storage, SharedKVCache) else None
 
     def add_services(self, server: grpc.aio.Server) -> None:
         add_prefill_service(self, server)
@@ -142,6 +148,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             await asyncio.sleep(0.05)
         await super().stop(grace_s)
         self.doorbells.close()
+        if self.shared_cache is not None:
+            self.shared_cache.close()  # unlinks the file; the engine's mapping stays valid
 
     # ---- RPCs ---------------------------------------------------------------------------------
 
@@ -190,6 +198,9 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                 self.metrics.doorbells.labels("connected" if h.doorbell is not None else "unreachable").inc()
                 if h.doorbell is not None:
                     h.ticket = start.shm.ticket
+                    h.direct = start.shm.direct and self.shared_cache is not None
+                    if h.direct:
+                        self.metrics.direct.inc()
                     with self._lock:
                         self._by_ticket[h.ticket] = h
                         self._ringing[lease.lease_id] = h
@@ -329,7 +340,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             with self._lock:
                 self._streaming.pop(lease.lease_id, None)
             if h.doorbell is not None:  # the step's after_step hook rang with the rest and done
-                if not h.done_sent:
+                if h.doorbell_error is not None or not h.done_sent:
                     raise h.doorbell_error or EngineDeadError("the prefill's last step rang no doorbell")
                 return
             if h.send_started_at is None:
@@ -411,6 +422,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             out = [(r, self.llm.ops.gather_blocks(self.llm.kv_cache, ids[r.block_start:r.block_end], r.layer_start,
                                                   r.layer_end).cpu()) for r in ranges]
         h.sent_layers = hi
+        h.block_table = block_table
         return out
 
     def _gather_rest(self, h: _Handoff) -> list[tuple[ChunkRange, Payload]]:
@@ -495,20 +507,31 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             h.send_started_at = time.monotonic()
         frame = kv_pb2.DoorbellFrame(ticket=h.ticket)
         for r, t in chunks:
-            chunk = place_chunk(chunk_header(self._layout_msg, r, h.lease.num_tokens), t, h.shm, h.shm_next).chunk
-            h.shm_next += chunk.shm_size
-            h.bytes_sent += chunk.shm_size
+            if h.direct:  # the decode worker copies these blocks out of our cache: hash them only
+                chunk = chunk_header(self._layout_msg, r, h.lease.num_tokens)
+                chunk.source_block_ids.extend(h.block_table[r.block_start:r.block_end])
+                chunk.xxh3_64 = pieces_checksum(payload_arrays(t))
+                size = payload_size(t)
+            else:
+                chunk = place_chunk(chunk_header(self._layout_msg, r, h.lease.num_tokens), t, h.shm,
+                                    h.shm_next).chunk
+                size = chunk.shm_size
+                h.shm_next += size
+            h.bytes_sent += size
             if during_compute:
-                h.bytes_before_compute_done += chunk.shm_size
+                h.bytes_before_compute_done += size
             frame.chunks.append(chunk)
+        if h.direct:
+            frame.source.CopyFrom(self.shared_cache.offer())
         if out is not None:
             frame.done.CopyFrom(self._done_message(h, out))
+            # Before the ring: the decode worker's ack can reach the event loop before this
+            # thread runs its next line, and an ack before done is a protocol error.
+            h.done_sent = True
         if not h.doorbell.ring(frame):
             raise ConnectionError(f"the doorbell socket {h.doorbell.path} broke: the decode worker left or stopped "
                                   f"reading")
         h.lease.renew(self.options.lease_seconds)
-        if out is not None:
-            h.done_sent = True
 
     def _on_doorbell_ack(self, ticket: bytes, acked_at: float) -> None:
         """A doorbell connection's reader thread."""

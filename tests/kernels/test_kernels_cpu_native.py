@@ -304,3 +304,30 @@ def test_scatter_blocks_other_layouts_fall_back_to_the_reference():
     native_ops.scatter_blocks(cache, torch.tensor([0, 2]), buffer, 0, 2)
     reference.scatter_blocks(want, torch.tensor([0, 2]), buffer, 0, 2)
     assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layers", [(0, 3), (1, 2)])
+def test_copy_blocks_between_caches_matches_the_reference(layers, dtype):
+    """The direct hand-off's copy from a prefill worker's cache (12 blocks) into a decode
+    worker's (10): bit for bit the reference, ids in any order."""
+    from kvrelay.kernels import native_ops, reference
+
+    start, end = layers
+    src = torch.randn((3, 2, 12, 4, 2, 8)).to(dtype)
+    src_ids, dst_ids = torch.tensor([11, 0, 5, 6]), torch.tensor([2, 9, 3, 4])
+    got = torch.randn((3, 2, 10, 4, 2, 8)).to(dtype)
+    want = got.clone()
+    assert cpu_native.supports_copy_blocks(got, dst_ids, src, src_ids, start, end)
+    native_ops.copy_blocks(got, dst_ids, src, src_ids, start, end)
+    reference.copy_blocks(want, dst_ids, src, src_ids, start, end)
+    assert torch.equal(got, want)
+    assert torch.equal(got[start:end, :, 9], src[start:end, :, 0]) and not torch.equal(got[:, :, 0], src[:, :, 0])
+
+
+def test_copy_blocks_refuses_an_id_outside_either_cache_and_writes_nothing():
+    src, dst = torch.ones((2, 2, 6, 4, 1, 8)), torch.zeros((2, 2, 4, 4, 1, 8))
+    for dst_ids, src_ids in (([1, 4], [0, 1]), ([1, 2], [0, 6]), ([-1, 2], [0, 1])):
+        with pytest.raises(IndexError, match="outside its cache"):
+            cpu_native.copy_blocks(dst, torch.tensor(dst_ids), src, torch.tensor(src_ids), 0, 2)
+    assert not dst.any()

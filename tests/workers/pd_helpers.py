@@ -19,7 +19,7 @@ import torch
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.kvtransfer.client import DecodeClient, LoadReport, watch_load
-from kvrelay.kvtransfer.worker_base import WorkerOptions
+from kvrelay.kvtransfer.worker_base import WorkerOptions, make_engine
 
 from kvrelay.models import BUNDLED_MODEL
 
@@ -56,8 +56,8 @@ async def start_pair(model: Path | str = BUNDLED_MODEL, num_kv_blocks: int = 96,
     from kvrelay.decode.worker import DecodeWorker
     from kvrelay.prefill.worker import PrefillWorker
 
-    p = PrefillWorker(AsyncEngine(EngineArgs(model=str(model), num_kv_blocks=num_kv_blocks)),
-                      prefill_options or WorkerOptions())
+    popts = prefill_options or WorkerOptions()
+    p = PrefillWorker(make_engine(EngineArgs(model=str(model), num_kv_blocks=num_kv_blocks), popts), popts)
     d = DecodeWorker(AsyncEngine(EngineArgs(model=str(model), num_kv_blocks=num_kv_blocks)),
                      decode_options or WorkerOptions())
     pp, dp = await p.start(), await d.start()

@@ -15,6 +15,7 @@ from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer.doorbell import DoorbellClient, DoorbellHandoff, DoorbellServer
 from kvrelay.kvtransfer.errors import ChunkError
+from kvrelay.kvtransfer.shm import DATA_START
 from kvrelay.kvtransfer.worker_base import WorkerOptions
 from kvrelay.v1 import kv_pb2
 from pd_helpers import assert_all_free, start_pair, stop_pair, wait_until
@@ -24,7 +25,8 @@ SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=11, max_tokens=10, ignor
 
 
 async def _doorbell_pair(tmp_path, kv_doorbell: bool = True, **prefill):
-    popts = WorkerOptions(max_message_bytes=16 * 1024, stream_min_tokens=200, layer_group_size=1, **prefill)
+    popts = WorkerOptions(max_message_bytes=16 * 1024, stream_min_tokens=200, layer_group_size=1,
+                          kv_shm_dir=str(tmp_path), **prefill)
     dopts = WorkerOptions(max_message_bytes=16 * 1024, kv_shm_bytes=4 << 20, kv_shm_dir=str(tmp_path),
                           kv_doorbell=kv_doorbell)
     pair = await start_pair(prefill_options=popts, decode_options=dopts)
@@ -73,7 +75,7 @@ async def test_doorbell_hand_off_equals_single_process(tmp_path):
         # The seeded runs find their prompt's full blocks in the decode worker's prefix cache; the
         # 7-token prompt has none, so each run hands off something.
         assert _count(m.doorbells, "connected") == 6 and _count(m.doorbells, "unreachable") == 0
-        assert _count(m.kv_handoffs, "ack") == 6
+        assert _count(m.kv_handoffs, "ack") == 6, [(s.labels, s.value) for s in m.kv_handoffs.collect()[0].samples]
         assert m.kv_send_seconds._sum.get() > 0
         assert _count(m.kv_overlap_bytes) == 0  # prefill side never counts it; the decode side does
         assert _count(pair.decode.metrics.kv_overlap_bytes) > 0  # the 300-token prompt was layer-streamed
@@ -155,7 +157,7 @@ async def test_frames_reach_only_a_live_hand_off_and_a_bad_header_writes_nothing
     client = DoorbellClient(lambda ticket, at: acks.append(ticket))
 
     def handoff(name: str, bad: bool = False) -> DoorbellHandoff:
-        def accept(chunk):
+        def accept(chunk, source):
             if bad:
                 raise ChunkError(f"{name}: bad header")
             return name
@@ -186,3 +188,97 @@ async def test_frames_reach_only_a_live_hand_off_and_a_bad_header_writes_nothing
         server.close()
     assert not server.path.exists()
     assert threading.active_count() < 50
+
+
+async def test_direct_hand_off_copies_from_the_prefill_workers_cache_and_equals_single_process(tmp_path):
+    """--kv-shared-cache: the decode worker copies the held blocks straight out of the prefill
+    worker's cache file (read-only), layer-streamed chunks included; nothing goes through the
+    region, the answers equal a single process, and the cache file goes at stop."""
+    pair = await _doorbell_pair(tmp_path, kv_shared_cache=True)
+    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
+    await ref.start()
+    try:
+        cache_file = pair.prefill.shared_cache.arena.path
+        assert cache_file.exists() and cache_file.stat().st_mode & 0o777 == 0o600
+        region = pair.decode.arena.view[DATA_START:]
+        region[:] = 0x5A  # a direct hand-off never writes the region: it stays this pattern
+        rng = random.Random(9)
+        for n in (7, 120, 300):
+            prompt = [rng.randrange(3, 512) for _ in range(n)]
+            for params in (GREEDY, SEEDED):
+                await _assert_same_as_single_process(pair, ref, prompt, params)
+        m = pair.prefill.metrics
+        assert _count(m.direct) == _count(m.doorbells, "connected") == 6
+        assert _count(m.kv_handoffs, "ack") == 6, [(s.labels, s.value) for s in m.kv_handoffs.collect()[0].samples]
+        assert _count(pair.decode.metrics.kv_overlap_bytes) > 0  # the 300-token prompt was layer-streamed
+        assert (region == 0x5A).all()
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()
+    assert not cache_file.exists()
+
+
+async def test_direct_chunk_whose_source_changed_fails_the_check_and_falls_back(tmp_path, monkeypatch, caplog):
+    """The prefill worker's blocks change between its hash and the decode worker's copy (as a
+    lease that expired could let them be reused): the checksum of what landed in the decode
+    worker's blocks fails, the hand-off fails, the decode worker prefills locally (same answer),
+    and nothing is stranded."""
+    from kvrelay.kvtransfer import layout
+
+    real_copy = layout.native_ops.copy_blocks
+
+    def copy_then_flip(dst, dst_ids, src, src_ids, lo, hi):
+        real_copy(dst, dst_ids, src, src_ids, lo, hi)
+        dst[lo, 0, int(dst_ids[0])].view(-1)[0] += 1.0  # as if the source changed under the copy
+
+    monkeypatch.setattr(layout.native_ops, "copy_blocks", copy_then_flip)
+    pair = await _doorbell_pair(tmp_path, kv_shared_cache=True)
+    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
+    await ref.start()
+    try:
+        prompt = list(range(60, 160))
+        await _assert_same_as_single_process(pair, ref, prompt, SEEDED)
+        assert _count(pair.prefill.metrics.direct) == 1
+        assert _count(pair.decode.metrics.fallbacks, "local") == 1
+        assert _count(pair.decode.metrics.failures, "ChunkError") == 1
+        assert "checksum mismatch after the direct copy" in caplog.text
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()
+
+
+async def test_direct_hand_off_needs_the_decode_workers_offer(tmp_path):
+    """A decode worker that cannot read a shared cache (GPU cache, or an older version) does not
+    offer it: a prefill worker with one places the K/V in the region as before."""
+    pair = await _doorbell_pair(tmp_path, kv_shared_cache=True)
+    pair.decode.transport.sources = None
+    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
+    await ref.start()
+    try:
+        await _assert_same_as_single_process(pair, ref, list(range(20, 120)), GREEDY)
+        m = pair.prefill.metrics
+        assert _count(m.direct) == 0 and _count(m.doorbells, "connected") == 1 and _count(m.kv_handoffs, "ack") == 1
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()
+
+
+async def test_direct_hand_off_whose_cache_file_is_gone_falls_back(tmp_path, caplog):
+    """The decode worker cannot map the prefill worker's cache (here: its file was removed, as on
+    another mount): a clear ChunkError before any copy, local prefill, nothing stranded."""
+    pair = await _doorbell_pair(tmp_path, kv_shared_cache=True)
+    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
+    await ref.start()
+    try:
+        pair.prefill.shared_cache.arena.path.unlink()  # the engine keeps its mapping
+        await _assert_same_as_single_process(pair, ref, list(range(70, 150)), GREEDY)
+        assert _count(pair.decode.metrics.failures, "ChunkError") == 1
+        assert _count(pair.decode.metrics.fallbacks, "local") == 1
+        assert "cannot map the prefill worker's shared KV cache" in caplog.text
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()

@@ -97,3 +97,25 @@ int scatter_blocks_rows(char *cache, const char *buf, const int64_t *ids, int64_
     }
     return 0;
 }
+
+/* Copy blocks between two KV caches of the same block shape, [L, 2, num_blocks, block] each:
+ * dst block dst_ids[j] <- src block src_ids[j] for layers [layer_start, layer_start + layers),
+ * K and V. The same-node direct hand-off: a decode worker copies a prefill worker's held blocks
+ * (a read-only shared mapping of its cache) straight into its reserved ones. Returns -1, having
+ * written nothing, if an id lies outside its cache. */
+int copy_blocks_rows(char *dst, const char *src, const int64_t *dst_ids, const int64_t *src_ids, int64_t n,
+                     int64_t layers, int64_t layer_start, int64_t dst_num_blocks, int64_t src_num_blocks,
+                     int64_t block_bytes) {
+    for (int64_t j = 0; j < n; j++)
+        if (dst_ids[j] < 0 || dst_ids[j] >= dst_num_blocks || src_ids[j] < 0 || src_ids[j] >= src_num_blocks)
+            return -1;
+    for (int64_t l = layer_start; l < layer_start + layers; l++) {
+        for (int64_t kv = 0; kv < 2; kv++) {
+            char *d = dst + (l * 2 + kv) * dst_num_blocks * block_bytes;
+            const char *s = src + (l * 2 + kv) * src_num_blocks * block_bytes;
+            for (int64_t j = 0; j < n; j++)
+                memcpy(d + dst_ids[j] * block_bytes, s + src_ids[j] * block_bytes, (size_t)block_bytes);
+        }
+    }
+    return 0;
+}

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvrelay.v1 import common_pb2 as kvrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvrelay/v1/kv.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"\x93\x01\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\"\xe5\x01\n\x07KVChunk\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.kvrelay.v1.KVLayout\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x04 \x01(\r\x12\x11\n\tblock_end\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\x0f\n\x07xxh3_64\x18\t \x01(\x06\x12\x12\n\nshm_offset\x18\n \x01(\x04\x12\x10\n\x08shm_size\x18\x0b \x01(\x04J\x04\x08\x07\x10\x08R\x05\x63rc32\"h\n\tShmRegion\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x10\n\x08\x64oorbell\x18\x05 \x01(\t\x12\x0e\n\x06ticket\x18\x06 \x01(\x0c\"\x83\x02\n\x0cPrefillStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12-\n\x0f\x65xpected_layout\x18\x05 \x01(\x0b\x32\x14.kvrelay.v1.KVLayout\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\r\x12\"\n\x03shm\x18\x07 \x01(\x0b\x32\x15.kvrelay.v1.ShmRegion\x12\x19\n\x11num_cached_blocks\x18\x08 \x01(\r\"\x0c\n\nPrefillAck\"\x1e\n\x0cPrefillAbort\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x9b\x01\n\x14PrefillClientMessage\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.kvrelay.v1.PrefillStartH\x00\x12%\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x16.kvrelay.v1.PrefillAckH\x00\x12)\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x18.kvrelay.v1.PrefillAbortH\x00\x42\x06\n\x04kind\"\xa5\x01\n\rHandoffHeader\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvrelay.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x0b\n\x03shm\x18\x06 \x01(\x08\x12\x10\n\x08\x64oorbell\x18\x07 \x01(\x08\"\xd7\x01\n\x0bPrefillDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12\x13\n\x0bhas_logprob\x18\x03 \x01(\x08\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12!\n\x19\x62ytes_before_compute_done\x18\x06 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\" \n\x0ePrefillAborted\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xc9\x01\n\x14PrefillServerMessage\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.kvrelay.v1.HandoffHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.kvrelay.v1.KVChunkH\x00\x12\'\n\x04\x64one\x18\x03 \x01(\x0b\x32\x17.kvrelay.v1.PrefillDoneH\x00\x12-\n\x07\x61\x62orted\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.PrefillAbortedH\x00\x42\x06\n\x04kind\"k\n\rDoorbellFrame\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12#\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x13.kvrelay.v1.KVChunk\x12%\n\x04\x64one\x18\x03 \x01(\x0b\x32\x17.kvrelay.v1.PrefillDone\"\x1d\n\x0b\x44oorbellAck\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvrelay/v1/kv.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"\x93\x01\n\x08KVLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\"\xff\x01\n\x07KVChunk\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.kvrelay.v1.KVLayout\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x04 \x01(\r\x12\x11\n\tblock_end\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\x0f\n\x07xxh3_64\x18\t \x01(\x06\x12\x12\n\nshm_offset\x18\n \x01(\x04\x12\x10\n\x08shm_size\x18\x0b \x01(\x04\x12\x18\n\x10source_block_ids\x18\x0c \x03(\rJ\x04\x08\x07\x10\x08R\x05\x63rc32\"x\n\tShmRegion\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x10\n\x08\x64oorbell\x18\x05 \x01(\t\x12\x0e\n\x06ticket\x18\x06 \x01(\x0c\x12\x0e\n\x06\x64irect\x18\x07 \x01(\x08\"\x83\x02\n\x0cPrefillStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12-\n\x0f\x65xpected_layout\x18\x05 \x01(\x0b\x32\x14.kvrelay.v1.KVLayout\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\r\x12\"\n\x03shm\x18\x07 \x01(\x0b\x32\x15.kvrelay.v1.ShmRegion\x12\x19\n\x11num_cached_blocks\x18\x08 \x01(\r\"\x0c\n\nPrefillAck\"\x1e\n\x0cPrefillAbort\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x9b\x01\n\x14PrefillClientMessage\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.kvrelay.v1.PrefillStartH\x00\x12%\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x16.kvrelay.v1.PrefillAckH\x00\x12)\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x18.kvrelay.v1.PrefillAbortH\x00\x42\x06\n\x04kind\"\xa5\x01\n\rHandoffHeader\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvrelay.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x0b\n\x03shm\x18\x06 \x01(\x08\x12\x10\n\x08\x64oorbell\x18\x07 \x01(\x08\"\xd7\x01\n\x0bPrefillDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12\x13\n\x0bhas_logprob\x18\x03 \x01(\x08\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12!\n\x19\x62ytes_before_compute_done\x18\x06 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\" \n\x0ePrefillAborted\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xc9\x01\n\x14PrefillServerMessage\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.kvrelay.v1.HandoffHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.kvrelay.v1.KVChunkH\x00\x12\'\n\x04\x64one\x18\x03 \x01(\x0b\x32\x17.kvrelay.v1.PrefillDoneH\x00\x12-\n\x07\x61\x62orted\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.PrefillAbortedH\x00\x42\x06\n\x04kind\"\x92\x01\n\rDoorbellFrame\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12#\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x13.kvrelay.v1.KVChunk\x12%\n\x04\x64one\x18\x03 \x01(\x0b\x32\x17.kvrelay.v1.PrefillDone\x12%\n\x06source\x18\x04 \x01(\x0b\x32\x15.kvrelay.v1.ShmRegion\"\x1d\n\x0b\x44oorbellAck\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=61
   _globals['_KVLAYOUT']._serialized_end=208
   _globals['_KVCHUNK']._serialized_start=211
-  _globals['_KVCHUNK']._serialized_end=440
-  _globals['_SHMREGION']._serialized_start=442
-  _globals['_SHMREGION']._serialized_end=546
-  _globals['_PREFILLSTART']._serialized_start=549
-  _globals['_PREFILLSTART']._serialized_end=808
-  _globals['_PREFILLACK']._serialized_start=810
-  _globals['_PREFILLACK']._serialized_end=822
-  _globals['_PREFILLABORT']._serialized_start=824
-  _globals['_PREFILLABORT']._serialized_end=854
-  _globals['_PREFILLCLIENTMESSAGE']._serialized_start=857
-  _globals['_PREFILLCLIENTMESSAGE']._serialized_end=1012
-  _globals['_HANDOFFHEADER']._serialized_start=1015
-  _globals['_HANDOFFHEADER']._serialized_end=1180
-  _globals['_PREFILLDONE']._serialized_start=1183
-  _globals['_PREFILLDONE']._serialized_end=1398
-  _globals['_PREFILLABORTED']._serialized_start=1400
-  _globals['_PREFILLABORTED']._serialized_end=1432
-  _globals['_PREFILLSERVERMESSAGE']._serialized_start=1435
-  _globals['_PREFILLSERVERMESSAGE']._serialized_end=1636
-  _globals['_DOORBELLFRAME']._serialized_start=1638
-  _globals['_DOORBELLFRAME']._serialized_end=1745
-  _globals['_DOORBELLACK']._serialized_start=1747
-  _globals['_DOORBELLACK']._serialized_end=1776
+  _globals['_KVCHUNK']._serialized_end=466
+  _globals['_SHMREGION']._serialized_start=468
+  _globals['_SHMREGION']._serialized_end=588
+  _globals['_PREFILLSTART']._serialized_start=591
+  _globals['_PREFILLSTART']._serialized_end=850
+  _globals['_PREFILLACK']._serialized_start=852
+  _globals['_PREFILLACK']._serialized_end=864
+  _globals['_PREFILLABORT']._serialized_start=866
+  _globals['_PREFILLABORT']._serialized_end=896
+  _globals['_PREFILLCLIENTMESSAGE']._serialized_start=899
+  _globals['_PREFILLCLIENTMESSAGE']._serialized_end=1054
+  _globals['_HANDOFFHEADER']._serialized_start=1057
+  _globals['_HANDOFFHEADER']._serialized_end=1222
+  _globals['_PREFILLDONE']._serialized_start=1225
+  _globals['_PREFILLDONE']._serialized_end=1440
+  _globals['_PREFILLABORTED']._serialized_start=1442
+  _globals['_PREFILLABORTED']._serialized_end=1474
+  _globals['_PREFILLSERVERMESSAGE']._serialized_start=1477
+  _globals['_PREFILLSERVERMESSAGE']._serialized_end=1678
+  _globals['_DOORBELLFRAME']._serialized_start=1681
+  _globals['_DOORBELLFRAME']._serialized_end=1827
+  _globals['_DOORBELLACK']._serialized_start=1829
+  _globals['_DOORBELLACK']._serialized_end=1858
 # @@protoc_insertion_point(module_scope)
