@@ -18,8 +18,9 @@ Back to back, the same few blocks stay in the caches between hand-offs ("hot"). 
 follows a prefill, which streams the model's weights (128 MB for disagg.py's dummy model) through
 the caches and leaves the prompt's K/V, the region and the decode worker's free blocks in DRAM.
 "Cold" models that: before each hand-off both processes sweep a buffer of --cold-mib MiB
-(default 64, twice the 32 MiB L3 of the VM this was written on), untimed. The four
-configurations take turns hand-off by hand-off, so a change in the machine's speed hits all alike.
+(default 64, twice the 32 MiB L3 of the VM this was written on), untimed. The two paths take
+turns hand-off by hand-off (all hot hand-offs, then all cold ones), so a change in the
+machine's speed hits both alike.
 
     .venv/bin/python benchmarks/kv_shm_floor.py [--lengths 128,512,2048] [--runs 200] [--cold-mib 64]
 """
@@ -169,22 +170,23 @@ def main() -> None:
                     take(local_cache, region, ids, place(cache, region, blocks))
                     one_core.append(time.perf_counter() - t)
                 samples: dict[tuple, list[float]] = {m: [] for m in modes}
-                for _ in range(args.runs):
-                    for mode in modes:
-                        _, direct, cold = mode
-                        cold_mib = args.cold_mib if cold else 0
-                        sweeper.sweep(cold_mib)
-                        t = time.perf_counter()
-                        if direct:
-                            digest = pieces_checksum(payload_pieces(cache, blocks, 0, LAYERS))
-                        else:
-                            digest = place(cache, region, blocks)
-                        conn.sendall(FRAME.pack(len(blocks), digest, direct, cold_mib))
-                        if conn.recv(1) != b"k":
-                            raise RuntimeError("decode side gone")
-                        samples[mode].append(time.perf_counter() - t)
-                        if cold_mib and conn.recv(1) != b"r":
-                            raise RuntimeError("decode side gone")
+                # Hot runs together (a cold run's sweep would leave the next one cold), then cold.
+                turns = [m for cold in (False, True) for _ in range(args.runs) for m in modes if m[2] == cold]
+                for mode in turns:
+                    _, direct, cold = mode
+                    cold_mib = args.cold_mib if cold else 0
+                    sweeper.sweep(cold_mib)
+                    t = time.perf_counter()
+                    if direct:
+                        digest = pieces_checksum(payload_pieces(cache, blocks, 0, LAYERS))
+                    else:
+                        digest = place(cache, region, blocks)
+                    conn.sendall(FRAME.pack(len(blocks), digest, direct, cold_mib))
+                    if conn.recv(1) != b"k":
+                        raise RuntimeError("decode side gone")
+                    samples[mode].append(time.perf_counter() - t)
+                    if cold_mib and conn.recv(1) != b"r":
+                        raise RuntimeError("decode side gone")
                 a = median_ms(one_core)
                 cells = [f"one process {a:6.3f} ms ({size / a / 1e6:5.2f} GB/s)"]
                 for (name, _, cold), got in samples.items():
