@@ -117,6 +117,8 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
             args += ["--quantization", spec.model.quantization]
         if role == "decode" and spec.shared_memory.enabled:
             args += ["--kv-shm-bytes", str(spec.shared_memory.size_bytes), "--kv-shm-dir", c.KV_SHM_MOUNT_DIR]
+        if role == "prefill" and spec.shared_memory.enabled and spec.shared_memory.prefill_cache:
+            args += ["--kv-shared-cache", "--kv-shm-dir", c.KV_SHM_MOUNT_DIR]
     else:
         args = [
             "gateway",

@@ -70,10 +70,12 @@ class AutoscalingSpec:
 @dataclass(frozen=True)
 class SharedMemorySpec:
     """Same-node K/V data plane: each decode pod keeps an arena of size_bytes (0: off) in the
-    node directory host_path, which prefill pods on that node mount too."""
+    node directory host_path, which prefill pods on that node mount too. prefill_cache: prefill
+    pods keep their KV cache there as well, and decode pods copy from it directly."""
 
     size_bytes: int = 0
     host_path: str = "/dev/shm"
+    prefill_cache: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -195,7 +197,10 @@ def _kv_transfer(value: Any) -> tuple[str, SharedMemorySpec]:
     host_path = shm_src.get("hostPath", "/dev/shm")
     if not isinstance(host_path, str) or not host_path.startswith("/"):
         raise InvalidSpec(f"{path}.sharedMemory.hostPath must be an absolute path on the node, got {host_path!r}")
-    return transport, SharedMemorySpec(size_bytes=size, host_path=host_path)
+    prefill_cache = shm_src.get("prefillCache", False)
+    if not isinstance(prefill_cache, bool):
+        raise InvalidSpec(f"{path}.sharedMemory.prefillCache must be true or false, got {prefill_cache!r}")
+    return transport, SharedMemorySpec(size_bytes=size, host_path=host_path, prefill_cache=prefill_cache)
 
 
 def _secret_ref(value: Any, path: str, default_key: str) -> SecretRef | None:

@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-shm-bytes", type=parse_bytes, default=0,
                         help="with --disaggregated: hand K/V over through a shared-memory arena of this size in "
                              "/dev/shm (e.g. 256MiB) instead of inline on gRPC; 0: off")
+    parser.add_argument("--kv-shared-cache", action="store_true",
+                        help="with --kv-shm-bytes: the prefill worker keeps its KV cache in /dev/shm and the "
+                             "decode worker copies blocks straight out of it (CPU only)")
     EngineArgs.add_cli_args(parser)
 
 
@@ -109,6 +112,8 @@ def start_worker(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen,
         cmd += ["--served-model-name", args.served_model_name]
     if role == "decode":
         cmd += ["--kv-shm-bytes", str(args.kv_shm_bytes)]
+    elif args.kv_shared_cache and args.kv_shm_bytes:
+        cmd += ["--kv-shared-cache"]
     # uvicorn re-raises the SIGTERM it handled once it has shut down, so the finally in
     # run_disaggregated may never run: the workers also stop by themselves when serve exits.
     env = os.environ | {PARENT_PID_ENV: str(os.getpid())}

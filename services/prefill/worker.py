@@ -127,6 +127,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         engine.after_step = self._after_step
         storage = self.llm.kv_cache_storage
         self.shared_cache = storage if isinstance(storage, SharedKVCache) else None
+        self._source_msg = self.shared_cache.offer() if self.shared_cache is not None else None
 
     def add_services(self, server: grpc.aio.Server) -> None:
         add_prefill_service(self, server)
@@ -522,7 +523,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                 h.bytes_before_compute_done += size
             frame.chunks.append(chunk)
         if h.direct:
-            frame.source.CopyFrom(self.shared_cache.offer())
+            frame.source.CopyFrom(self._source_msg)
         if out is not None:
             frame.done.CopyFrom(self._done_message(h, out))
             # Before the ring: the decode worker's ack can reach the event loop before this

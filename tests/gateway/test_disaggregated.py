@@ -130,8 +130,9 @@ def test_killed_decode_worker_is_ejected_and_traffic_continues(cluster_gateway, 
 
 
 def test_serve_disaggregated_hands_kv_over_shared_memory(own_tmp):
-    """`kvrelay serve --disaggregated --kv-shm-bytes`: the local decode worker keeps an arena in
-    /dev/shm while it runs (and removes it on stop), and answers like the in-process engine."""
+    """`kvrelay serve --disaggregated --kv-shm-bytes --kv-shared-cache`: the local decode worker
+    keeps an arena and its doorbell socket in /dev/shm while it runs, the prefill worker its KV
+    cache (both removed on stop), and it answers like the in-process engine."""
     import asyncio
     from pathlib import Path
 
@@ -149,12 +150,13 @@ def test_serve_disaggregated_hands_kv_over_shared_memory(own_tmp):
 
     want = asyncio.run(reference())
     before = set(Path("/dev/shm").glob("kvrelay-kv-*"))
-    gw = GatewayProcess(["--host", "127.0.0.1", "--disaggregated", "--kv-shm-bytes", "8MiB"],
+    gw = GatewayProcess(["--host", "127.0.0.1", "--disaggregated", "--kv-shm-bytes", "8MiB", "--kv-shared-cache"],
                         own_tmp / "serve.log")
     try:
-        arenas = set(Path("/dev/shm").glob("kvrelay-kv-*")) - before  # the arena and its doorbell socket
-        (arena,) = [a for a in arenas if not a.name.endswith(".sock")]
-        assert arena.stat().st_size == 8 << 20 and arenas == {arena, arena.with_name(arena.name + ".sock")}
+        arenas = set(Path("/dev/shm").glob("kvrelay-kv-*")) - before  # arena, doorbell socket, prefill cache
+        (arena,) = [a for a in arenas if not a.name.endswith(".sock") and a.stat().st_size == 8 << 20]
+        (cache,) = arenas - {arena, arena.with_name(arena.name + ".sock")}
+        assert cache.stat().st_size > 4096 and not cache.name.endswith(".sock")
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
         r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0,
                                       extra_body={"ignore_eos": True})

@@ -95,6 +95,7 @@ def test_shared_memory_plane_mounts_the_node_directory_and_pairs_prefill_with_de
     assert args[args.index("--kv-shm-bytes") + 1] == str(2 * 2**30)
     assert args[args.index("--kv-shm-dir") + 1] == "/kv-shm"
     assert "--kv-shm-bytes" not in prefill["containers"][0]["args"]  # prefill only opens what decode offers
+    assert "--kv-shared-cache" not in prefill["containers"][0]["args"]  # prefillCache is off by default
     for spec in (decode, prefill):
         assert spec["volumes"] == [{"name": "kv-shm", "hostPath": {"path": "/mnt/kv", "type": "Directory"}}]
         assert spec["containers"][0]["volumeMounts"] == [{"name": "kv-shm", "mountPath": "/kv-shm"}]
@@ -112,6 +113,17 @@ def test_shared_memory_plane_mounts_the_node_directory_and_pairs_prefill_with_de
         for role in ("prefill", "decode"):
             assert "volumes" not in pod(plain, role) and "affinity" not in pod(plain, role)
             assert "--kv-shm-bytes" not in pod(plain, role)["containers"][0]["args"]
+
+
+def test_prefill_cache_puts_the_prefill_pods_kv_cache_in_the_node_directory():
+    objs = children({"model": {"uri": "/m"},
+                     "kvTransfer": {"sharedMemory": {"size": "1Gi", "prefillCache": True}}})
+    args = pod(objs, "prefill")["containers"][0]["args"]
+    assert "--kv-shared-cache" in args and args[args.index("--kv-shm-dir") + 1] == "/kv-shm"
+    assert "--kv-shared-cache" not in pod(objs, "decode")["containers"][0]["args"]
+    # Without the plane there is no directory to share: the flag needs a size.
+    off = children({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": 0, "prefillCache": True}}})
+    assert "--kv-shared-cache" not in pod(off, "prefill")["containers"][0]["args"]
 
 
 def test_replicas_fixed_roles_follow_spec_autoscaled_roles_keep_live_count_within_bounds():

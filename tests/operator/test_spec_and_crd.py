@@ -91,6 +91,8 @@ def test_schema_and_operator_both_reject(bad, field):
     ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": 4096}}}, "at least 1Mi"),
     ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": "1Gi", "hostPath": "shm"}}},
      "sharedMemory.hostPath must be an absolute path"),
+    ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": "1Gi", "prefillCache": "yes"}}},
+     "sharedMemory.prefillCache must be true or false"),
 ])
 def test_invalid_specs_name_the_field(bad, message):
     with pytest.raises(InvalidSpec, match=re.escape(message)):
