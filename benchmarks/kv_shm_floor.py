@@ -10,8 +10,9 @@ workers' own functions:
     region and hashes them (chunk_wire.place_chunk); the decode side hashes the region and
     scatters it into its blocks (the engine's native scatter_blocks);
   - direct (prefill --kv-shared-cache): the prefill side's cache is itself a shared-memory file;
-    it hashes the prompt's blocks in place, and the decode side copies them straight into its
-    blocks from a read-only mapping and hashes what landed (layout.DirectChunk.copy_into).
+    it sends the frame, then hashes the prompt's blocks in place and sends the hash, while the
+    decode side copies them straight into its blocks from a read-only mapping and hashes what
+    landed (layout.DirectChunk), then checks it against the hash.
 The region path's steps in one process, on one core, are the baseline.
 
 Back to back, the same few blocks stay in the caches between hand-offs ("hot"). A real hand-off
@@ -51,6 +52,7 @@ NUM_BLOCKS = 640
 LAYOUT = KVLayout("floor", "-", "float32", BLOCK, LAYERS, KV_HEADS, HEAD_DIM)
 BLOCK_BYTES = LAYOUT.bytes_per_block_layer * LAYERS  # one block, all layers
 FRAME = struct.Struct("<QQQQ")  # blocks, xxh3_64, direct (0/1), MiB to sweep after the ack (0: hot)
+HASH = struct.Struct("<Q")  # direct: the xxh3_64, sent after the frame
 MODES = (("region", False, False), ("region", False, True), ("direct", True, False), ("direct", True, True))
 
 
@@ -114,7 +116,9 @@ def decode_side(sock_path: str, region_path: str, cache_path: str, cache_nonce: 
         n, digest, direct, cold_mib = FRAME.unpack(frame)
         ids = list(range(NUM_BLOCKS - n, NUM_BLOCKS))
         if direct:
-            DirectChunk(ChunkRange(0, LAYERS, 0, n), source, list(range(n)), digest).copy_into(cache, ids)
+            chunk = DirectChunk(ChunkRange(0, LAYERS, 0, n), source, list(range(n)))
+            chunk.copy_into(cache, ids)
+            chunk.check(HASH.unpack(conn.recv(HASH.size, socket.MSG_WAITALL))[0])  # sent while we copied
         else:
             take(cache, region, torch.tensor(ids), digest)
         conn.sendall(b"k")
@@ -177,11 +181,11 @@ def main() -> None:
                     cold_mib = args.cold_mib if cold else 0
                     sweeper.sweep(cold_mib)
                     t = time.perf_counter()
-                    if direct:
-                        digest = pieces_checksum(payload_pieces(cache, blocks, 0, LAYERS))
+                    if direct:  # the frame first, then the hash, as the prefill worker does
+                        conn.sendall(FRAME.pack(len(blocks), 0, direct, cold_mib))
+                        conn.sendall(HASH.pack(pieces_checksum(payload_pieces(cache, blocks, 0, LAYERS))))
                     else:
-                        digest = place(cache, region, blocks)
-                    conn.sendall(FRAME.pack(len(blocks), digest, direct, cold_mib))
+                        conn.sendall(FRAME.pack(len(blocks), place(cache, region, blocks), direct, cold_mib))
                     if conn.recv(1) != b"k":
                         raise RuntimeError("decode side gone")
                     samples[mode].append(time.perf_counter() - t)

@@ -24,6 +24,7 @@ Frames: a 4-byte little-endian length, then the protobuf message (kv.proto).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -114,6 +115,7 @@ class DoorbellHandoff:
     written_at: float | None = None
     live: bool = True  # False once the transport gave the hand-off up: later frames are dropped
     lock: threading.Lock = field(default_factory=threading.Lock)
+    unchecked: collections.deque = field(default_factory=collections.deque)  # direct chunks awaiting checksums
 
     def resolve(self, value: kv_pb2.PrefillDone | BaseException) -> None:
         """From any thread; the first outcome wins."""
@@ -222,6 +224,13 @@ class DoorbellServer:
             try:
                 if chunks:
                     h.write(chunks)
+                h.unchecked.extend(c for c in chunks if isinstance(c, DirectChunk))
+                for xxh3_64 in frame.checksums:
+                    if not h.unchecked:
+                        raise ChunkError("a doorbell frame carries a checksum for no direct KV chunk")
+                    h.unchecked.popleft().check(xxh3_64)
+                if done is not None and h.unchecked:
+                    raise ChunkError(f"{len(h.unchecked)} direct KV chunks never got their checksums")
             except Exception as e:  # noqa: BLE001 - handed to the transport, which aborts the hand-off
                 h.resolve(e)
                 return

@@ -170,29 +170,34 @@ class ReceivedChunk:
             return torch.frombuffer(self.data, dtype=torch.uint8).view(self.dtype).reshape(self.shape)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class DirectChunk:
     """A direct chunk that passed ChunkVerifier.accept_direct: its bytes are blocks source_ids of
-    the prefill worker's cache. copy_into copies them into the receiver's blocks, then checks the
-    checksum of what landed there: the source is another process's memory, which could change
-    under the copy (its lease expired), so only the copied bytes prove anything. The blocks are
-    the request's reservation, unused until the hand-off completes, so a chunk that fails the
-    check leaves nothing behind: the hand-off fails and the reservation is freed."""
+    the prefill worker's cache. copy_into copies them into the receiver's blocks and hashes what
+    landed there; check compares that with the prefill worker's hash, which follows in a later
+    frame (the prefill worker hashes while this side copies). Only the copied bytes prove
+    anything: the source is another process's memory, which could change under the copy (its
+    lease expired). The blocks are the request's reservation, unused until the hand-off
+    completes, so a chunk that fails the check leaves nothing behind: the hand-off fails and the
+    reservation is freed."""
 
     range: ChunkRange
     source: torch.Tensor
     source_ids: list[int]
-    xxh3_64: int
+    landed: int | None = None  # XXH3-64 of the bytes copy_into wrote
 
     def copy_into(self, kv_cache: torch.Tensor, block_ids: list[int]) -> None:
         r = self.range
         native_ops.copy_blocks(kv_cache, torch.tensor(block_ids), self.source, torch.tensor(self.source_ids),
                                r.layer_start, r.layer_end)
-        raw = kv_cache.view(torch.uint8).numpy()
-        digest = pieces_checksum(block_pieces(raw, block_ids, r.layer_start, r.layer_end))
-        if digest != self.xxh3_64:
-            raise ChunkError(f"KV chunk checksum mismatch after the direct copy (xxh3_64 {digest:#018x}, sent "
-                             f"{self.xxh3_64:#018x}): the prefill worker's blocks changed under the copy")
+        self.landed = pieces_checksum(block_pieces(kv_cache.view(torch.uint8).numpy(), block_ids, r.layer_start,
+                                                   r.layer_end))
+
+    def check(self, xxh3_64: int) -> None:
+        if self.landed != xxh3_64:
+            got = "nothing copied" if self.landed is None else f"xxh3_64 {self.landed:#018x}"
+            raise ChunkError(f"KV chunk checksum mismatch after the direct copy ({got}, sent {xxh3_64:#018x}): "
+                             f"the prefill worker's blocks changed under the copy")
 
 
 class ChunkVerifier:
@@ -233,8 +238,9 @@ class ChunkVerifier:
 
     def accept_direct(self, chunk: kv_pb2.KVChunk, source: torch.Tensor) -> DirectChunk:
         """accept() for a chunk of the direct hand-off, whose bytes are the blocks
-        chunk.source_block_ids of source (the prefill worker's cache, read-only). Its checksum is
-        checked by DirectChunk.copy_into, on what landed in the receiver's blocks."""
+        chunk.source_block_ids of source (the prefill worker's cache, read-only). Its checksum
+        comes later (DoorbellFrame.checksums) and is checked by DirectChunk.check, on what landed
+        in the receiver's blocks."""
         r = self._check_range(chunk)
         if chunk.data or chunk.shm_size:
             raise ChunkError("a direct KV chunk must not carry bytes inline or in the region")
@@ -244,7 +250,7 @@ class ChunkVerifier:
                              f"blocks, or one outside the prefill worker's {source.shape[2]}")
         size = (r.layer_end - r.layer_start) * len(ids) * self.layout.bytes_per_block_layer
         self._mark(r, size)
-        return DirectChunk(r, source, ids, chunk.xxh3_64)
+        return DirectChunk(r, source, ids)
 
     def _check_range(self, chunk: kv_pb2.KVChunk) -> ChunkRange:
         lay = self.layout

@@ -508,10 +508,9 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             h.send_started_at = time.monotonic()
         frame = kv_pb2.DoorbellFrame(ticket=h.ticket)
         for r, t in chunks:
-            if h.direct:  # the decode worker copies these blocks out of our cache: hash them only
+            if h.direct:  # the decode worker copies these blocks out of our cache
                 chunk = chunk_header(self._layout_msg, r, h.lease.num_tokens)
                 chunk.source_block_ids.extend(h.block_table[r.block_start:r.block_end])
-                chunk.xxh3_64 = pieces_checksum(payload_arrays(t))
                 size = payload_size(t)
             else:
                 chunk = place_chunk(chunk_header(self._layout_msg, r, h.lease.num_tokens), t, h.shm,
@@ -522,13 +521,21 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             if during_compute:
                 h.bytes_before_compute_done += size
             frame.chunks.append(chunk)
-        if h.direct:
+        if h.direct and chunks:
+            # Ring with the headers first, then hash while the decode worker copies (the two cores
+            # overlap: 1.3-1.5x kv_shm_floor.py's direct path), and send the hashes after.
             frame.source.CopyFrom(self._source_msg)
+            self._send(h, frame)
+            frame = kv_pb2.DoorbellFrame(ticket=h.ticket, checksums=[pieces_checksum(payload_arrays(t))
+                                                                     for _, t in chunks])
         if out is not None:
             frame.done.CopyFrom(self._done_message(h, out))
             # Before the ring: the decode worker's ack can reach the event loop before this
             # thread runs its next line, and an ack before done is a protocol error.
             h.done_sent = True
+        self._send(h, frame)
+
+    def _send(self, h: _Handoff, frame: kv_pb2.DoorbellFrame) -> None:
         if not h.doorbell.ring(frame):
             raise ConnectionError(f"the doorbell socket {h.doorbell.path} broke: the decode worker left or stopped "
                                   f"reading")

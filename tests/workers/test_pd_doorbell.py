@@ -10,11 +10,14 @@ import random
 import threading
 
 import pytest
+import torch
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer.chunk_wire import block_pieces, pieces_checksum
 from kvrelay.kvtransfer.doorbell import DoorbellClient, DoorbellHandoff, DoorbellServer
 from kvrelay.kvtransfer.errors import ChunkError
+from kvrelay.kvtransfer.layout import ChunkRange, DirectChunk
 from kvrelay.kvtransfer.shm import DATA_START
 from kvrelay.kvtransfer.worker_base import WorkerOptions
 from kvrelay.v1 import kv_pb2
@@ -282,3 +285,44 @@ async def test_direct_hand_off_whose_cache_file_is_gone_falls_back(tmp_path, cap
     finally:
         await stop_pair(pair)
         await ref.shutdown()
+
+
+async def test_direct_chunks_are_checked_against_the_checksums_that_follow(tmp_path):
+    """The prefill worker sends a direct chunk's checksum after its header (it hashes while the
+    decode worker copies): the right one completes the hand-off; a wrong one, none before done,
+    or one for no chunk fails it. Real sockets, threads and copies between two small caches."""
+    loop = asyncio.get_running_loop()
+    server = DoorbellServer(tmp_path / "bell.sock")
+    client = DoorbellClient(lambda ticket, at: None)
+    src = torch.randn(2, 2, 4, 4, 1, 8)
+    good = pieces_checksum(block_pieces(src.view(torch.uint8).numpy(), [1, 2], 0, 2))
+
+    def handoff(name: str) -> DoorbellHandoff:
+        dst = torch.zeros_like(src)
+
+        def write(chunks):
+            for c in chunks:
+                c.copy_into(dst, [3, 0])
+
+        h = DoorbellHandoff(name.encode(), lambda chunk, source: DirectChunk(ChunkRange(0, 2, 0, 2), src, [1, 2]),
+                            lambda: None, write, loop, loop.create_future())
+        server.register(h)
+        return h
+
+    try:
+        ok, wrong, missing, extra = (handoff(n) for n in ("ok", "wrong", "missing", "extra"))
+        conn = client.connect(str(server.path))
+        chunk, done = kv_pb2.KVChunk(layer_start=0, layer_end=2), kv_pb2.PrefillDone(first_token_id=7)
+        for ticket, checksums in ((b"ok", [good]), (b"wrong", [good ^ 1])):
+            assert conn.ring(kv_pb2.DoorbellFrame(ticket=ticket, chunks=[chunk]))
+            assert conn.ring(kv_pb2.DoorbellFrame(ticket=ticket, checksums=checksums, done=done))
+        assert conn.ring(kv_pb2.DoorbellFrame(ticket=b"missing", chunks=[chunk], done=done))
+        assert conn.ring(kv_pb2.DoorbellFrame(ticket=b"extra", checksums=[good], done=done))
+        assert (await asyncio.wait_for(ok.future, 5)).first_token_id == 7
+        for h, message in ((wrong, "checksum mismatch after the direct copy"), (missing, "never got their checksums"),
+                           (extra, "checksum for no direct KV chunk")):
+            with pytest.raises(ChunkError, match=message):
+                await asyncio.wait_for(h.future, 5)
+    finally:
+        client.close()
+        server.close()
