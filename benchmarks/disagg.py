@@ -4,10 +4,11 @@ Starts worker processes (each pinned to its own core where the machine has them,
 thread each; the client shares the core of the process that does not decode) with a dummy ~32M-parameter Llama, and for prompts of 128 to 4096 tokens prints
   - TTFT and decode tokens/s seen by the client, single process vs prefill+decode,
   - KV hand-off bytes and GB/s, timed by the prefill worker from the end of the prefill (before the
-    blocks are gathered) to the decode worker's ack (every chunk verified and in its cache): one
-    clock, nothing left out. The decode worker's own figure (first chunk received -> last chunk
-    written) leaves out the gather and the first chunk's trip, so it reads higher; it is printed
-    beside it,
+    blocks are gathered) to every chunk verified and in the decode worker's cache: on the doorbell
+    the time its ack stamps (one monotonic clock on one node; how much later the prefill worker
+    read that ack is printed beside it), on gRPC the ack's arrival. The decode worker's own figure
+    (first chunk received -> last chunk written) leaves out the gather and the first chunk's trip,
+    so it reads higher; it is printed beside it,
   - layer-wise streaming: TTFT with streaming on, and the share of KV bytes sent while the
     prefill was still computing (overlap),
   - both data planes: K/V inline on the gRPC stream ("disagg"), and through the decode worker's
@@ -127,11 +128,12 @@ COUNTERS = ("kvrelay:kv_transfer_bytes_total", "kvrelay:kv_transfer_seconds_sum"
 
 
 SENDER_COUNTERS = ("kvrelay:time_to_first_token_seconds_sum", "kvrelay:kv_send_bytes_total",
-                   "kvrelay:kv_send_seconds_sum")
+                   "kvrelay:kv_send_seconds_sum", "kvrelay:kv_doorbell_ack_delay_seconds_sum",
+                   "kvrelay:kv_doorbell_ack_delay_seconds_count")
 
 
 def counters(decode: Worker, prefill: Worker | None) -> tuple[float, ...]:
-    p = tuple(prefill.metric(c) for c in SENDER_COUNTERS) if prefill else (0.0, 0.0, 0.0)
+    p = tuple(prefill.metric(c) if prefill else 0.0 for c in SENDER_COUNTERS)
     return (*(decode.metric(c) for c in COUNTERS), *p)
 
 
@@ -161,13 +163,14 @@ async def run_config(model: Path, flags, decode_flags, cores, prompts: dict[int,
         for n, runs in prompts.items():
             before = counters(decode, prefill)
             samples = [await one_request(client, prompt, params, addr) for prompt in runs]
-            b, s, o, pt, sb, ss = (x - y for x, y in zip(counters(decode, prefill), before))
+            b, s, o, pt, sb, ss, ack_s, acks = (x - y for x, y in zip(counters(decode, prefill), before))
             ttfts = [t for t, _ in samples]
             results[n] = {
                 "ttft": statistics.median(ttfts), "tps": statistics.median(r for _, r in samples),
                 "mb": b / len(runs) / 1e6, "gbps": sb / ss / 1e9 if ss else float("nan"),
                 "rx_gbps": b / s / 1e9 if s else float("nan"), "overlap": o / b if b else float("nan"),
-                "exposed": statistics.mean(ttfts) - pt / len(runs), "bytes": b}
+                "exposed": statistics.mean(ttfts) - pt / len(runs), "bytes": b,
+                "ack_ms": ack_s / acks * 1e3 if acks else None}
         return results
     finally:
         await client.close()
@@ -205,6 +208,8 @@ async def main() -> None:
                 if r["bytes"]:
                     # Streamed chunks leave while the prompt computes: their "speed" measures compute.
                     speed = "overlaps compute" if r["overlap"] else f"{r['gbps']:5.2f} GB/s (receiver {r['rx_gbps']:4.2f})"
+                    if r["ack_ms"] is not None:
+                        speed += f", ack read {r['ack_ms']:.2f} ms after the write"
                     line += (f"  KV {r['mb']:6.1f} MB, {speed}, sent during compute {r['overlap']:4.0%}, "
                              f"TTFT beyond prefill {r['exposed'] * 1000:6.1f} ms")
                 print(line, flush=True)

@@ -240,16 +240,21 @@ class DoorbellServer:
             h.resolve(done)
 
     def _ack(self, conn: socket.socket, h: DoorbellHandoff) -> None:
-        send_nowait(conn, encode_frame(kv_pb2.DoorbellAck(ticket=h.ticket)))  # if lost, the stream's ack follows
+        ack = kv_pb2.DoorbellAck(ticket=h.ticket, written_at_ns=int(h.written_at * 1e9))
+        send_nowait(conn, encode_frame(ack))  # if lost, the stream's ack follows
 
 
 # ---- prefill side -----------------------------------------------------------------------------
+
+# (ticket, when this worker read the ack, when the decode worker wrote the last chunk or None),
+# both time.monotonic() values: one clock on one node.
+AckCallback = Callable[[bytes, float, float | None], None]
 
 
 class DoorbellConn:
     """Prefill side: a connection to one decode worker's doorbell."""
 
-    def __init__(self, path: str, sock: socket.socket, on_ack: Callable[[bytes, float], None],
+    def __init__(self, path: str, sock: socket.socket, on_ack: AckCallback,
                  on_close: Callable[[DoorbellConn], None]):
         self.path = path
         self._sock = sock
@@ -281,7 +286,8 @@ class DoorbellConn:
     def _read_acks(self) -> None:
         try:
             for body in read_frames(self._sock):
-                self._on_ack(kv_pb2.DoorbellAck.FromString(body).ticket, time.monotonic())
+                read_at, ack = time.monotonic(), kv_pb2.DoorbellAck.FromString(body)
+                self._on_ack(ack.ticket, read_at, ack.written_at_ns / 1e9 if ack.written_at_ns else None)
         except Exception as e:  # noqa: BLE001 - the gRPC stream still carries the ack
             if not self.closed:
                 log.warning("doorbell connection to %s dropped: %s", self.path, e)
@@ -292,7 +298,7 @@ class DoorbellConn:
 class DoorbellClient:
     """Prefill side: connections to decode workers' doorbells, one per socket path, reused."""
 
-    def __init__(self, on_ack: Callable[[bytes, float], None]):
+    def __init__(self, on_ack: AckCallback):
         self._on_ack = on_ack
         self._conns: dict[str, DoorbellConn] = {}
         self._lock = threading.Lock()

@@ -57,7 +57,13 @@ class WorkerMetrics:
         self.kv_send_seconds = Histogram(
             "kvrelay:kv_send_seconds",
             "Prefill side: KV hand-off from its start (the first layer-streamed chunk, or else the end of "
-            "the prefill) to the decode worker's ack (every chunk verified and written into its cache).",
+            "the prefill) to every chunk verified and written into the decode worker's cache: the time "
+            "stamped in a doorbell ack (same node, one clock), else the stream ack's arrival.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.doorbell_ack_delay = Histogram(
+            "kvrelay:kv_doorbell_ack_delay_seconds",
+            "Prefill side: from the decode worker's write of a doorbell hand-off's last chunk to this "
+            "worker reading its ack (the ack's way back, left out of kvrelay:kv_send_seconds).",
             buckets=LATENCY_BUCKETS, registry=r)
         self.kv_send_bytes = Counter("kvrelay:kv_send_bytes", "Prefill side: KV bytes acknowledged by decode "
                                      "workers.", registry=r)

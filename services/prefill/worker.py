@@ -56,7 +56,8 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(eq=False)
 class _Handoff:
     lease: Lease
-    # ("chunk", range, payload) | ("done", out) | ("error", exc) | ("ack"[, acked_at]) | abort/gone/...
+    # ("chunk", range, payload) | ("done", out) | ("error", exc) | ("ack"[, read_at, written_at])
+    # | abort/gone/...
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     num_blocks: int
@@ -294,8 +295,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                     # One clock, and nothing left out: gather, encode, wire, verify and cache write
                     # of every chunk, the first one included, plus the ack's way back (a doorbell
                     # ack carries the time its thread read it).
-                    acked_at = ev[1] if len(ev) > 1 else time.monotonic()
-                    self.metrics.kv_send_seconds.observe(acked_at - h.send_started_at)
+                    self.metrics.kv_send_seconds.observe(self._transfer_end(h, ev) - h.send_started_at)
                     self.metrics.kv_send_bytes.inc(h.bytes_sent)
                 return "ack"
             why = "ack before the hand-off completed"
@@ -541,12 +541,22 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                                   f"reading")
         h.lease.renew(self.options.lease_seconds)
 
-    def _on_doorbell_ack(self, ticket: bytes, acked_at: float) -> None:
+    def _transfer_end(self, h: _Handoff, ev: tuple) -> float:
+        """When the decode worker had every chunk written: a doorbell ack's stamp (one node, one
+        monotonic clock), else when the ack was read here. Its way back is counted apart."""
+        read_at = ev[1] if len(ev) > 1 else time.monotonic()
+        written_at = ev[2] if len(ev) > 2 else None
+        if written_at is None or not h.send_started_at <= written_at <= read_at:
+            return read_at  # a stream ack, or clocks that differ (another time namespace)
+        self.metrics.doorbell_ack_delay.observe(read_at - written_at)
+        return written_at
+
+    def _on_doorbell_ack(self, ticket: bytes, read_at: float, written_at: float | None) -> None:
         """A doorbell connection's reader thread."""
         with self._lock:
             h = self._by_ticket.get(ticket)
         if h is not None:
-            h.loop.call_soon_threadsafe(h.events.put_nowait, ("ack", acked_at))
+            h.loop.call_soon_threadsafe(h.events.put_nowait, ("ack", read_at, written_at))
 
     def _completes_prompt(self, h: _Handoff, batch) -> bool:
         """Whether this step computes the last prompt tokens of h's sequence."""

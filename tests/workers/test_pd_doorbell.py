@@ -49,6 +49,10 @@ async def _until(condition, what: str) -> None:
     await wait_until(check, what=what)
 
 
+def _ack_delays(metrics) -> float:
+    return next(s.value for s in metrics.doorbell_ack_delay.collect()[0].samples if s.name.endswith("_count"))
+
+
 def _count(counter, *labels) -> float:
     return (counter.labels(*labels) if labels else counter)._value.get()
 
@@ -80,6 +84,8 @@ async def test_doorbell_hand_off_equals_single_process(tmp_path):
         assert _count(m.doorbells, "connected") == 6 and _count(m.doorbells, "unreachable") == 0
         assert _count(m.kv_handoffs, "ack") == 6, [(s.labels, s.value) for s in m.kv_handoffs.collect()[0].samples]
         assert m.kv_send_seconds._sum.get() > 0
+        # Timed to the write the doorbell ack stamps, not to reading it: its way back is apart.
+        assert _ack_delays(m) == 6
         assert _count(m.kv_overlap_bytes) == 0  # prefill side never counts it; the decode side does
         assert _count(pair.decode.metrics.kv_overlap_bytes) > 0  # the 300-token prompt was layer-streamed
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
@@ -156,8 +162,8 @@ async def test_frames_reach_only_a_live_hand_off_and_a_bad_header_writes_nothing
     loop = asyncio.get_running_loop()
     ran: list[str] = []
     server = DoorbellServer(tmp_path / "bell.sock")
-    acks: list[bytes] = []
-    client = DoorbellClient(lambda ticket, at: acks.append(ticket))
+    acks: list[tuple] = []
+    client = DoorbellClient(lambda ticket, read_at, written_at: acks.append((ticket, read_at, written_at)))
 
     def handoff(name: str, bad: bool = False) -> DoorbellHandoff:
         def accept(chunk, source):
@@ -184,7 +190,9 @@ async def test_frames_reach_only_a_live_hand_off_and_a_bad_header_writes_nothing
         with pytest.raises(ChunkError, match="bad header"):
             await asyncio.wait_for(bad.future, 5)
         assert ran == ["live:2", "live:1"]  # nothing for the given-up, unknown or bad hand-off
-        await _until(lambda: acks == [b"live"], "the ack")
+        await _until(lambda: [a[0] for a in acks] == [b"live"], "the ack")
+        (_, read_at, written_at), = acks
+        assert written_at == live.written_at and written_at <= read_at  # stamped when written, one clock
         assert not gone.future.done()
     finally:
         client.close()
@@ -293,7 +301,7 @@ async def test_direct_chunks_are_checked_against_the_checksums_that_follow(tmp_p
     or one for no chunk fails it. Real sockets, threads and copies between two small caches."""
     loop = asyncio.get_running_loop()
     server = DoorbellServer(tmp_path / "bell.sock")
-    client = DoorbellClient(lambda ticket, at: None)
+    client = DoorbellClient(lambda ticket, read_at, written_at: None)
     src = torch.randn(2, 2, 4, 4, 1, 8)
     good = pieces_checksum(block_pieces(src.view(torch.uint8).numpy(), [1, 2], 0, 2))
 
