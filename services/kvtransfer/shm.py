@@ -259,7 +259,7 @@ class SourceCaches:
         self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
         self._lock = threading.Lock()  # doorbell reader threads, one per prefill worker
 
-    def open(self, region) -> torch.Tensor:
+    def open(self, region: kv_pb2.ShmRegion) -> torch.Tensor:
         """The cache a kv_pb2.ShmRegion names; raises OSError when this worker cannot map it or
         the file is not (or no longer) that prefill worker's cache."""
         with self._lock:
@@ -272,7 +272,7 @@ class SourceCaches:
                 self._maps[region.path] = entry
             return entry[1]
 
-    def _map(self, region) -> tuple[mmap.mmap, torch.Tensor]:
+    def _map(self, region: kv_pb2.ShmRegion) -> tuple[mmap.mmap, torch.Tensor]:
         for path in [p for p in self._maps if not os.path.exists(p)]:
             del self._maps[path]  # their prefill worker stopped: let the pages go
         fd = os.open(region.path, os.O_RDONLY)

@@ -131,6 +131,8 @@ class GrpcKVTransport(KVTransport):
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        if self.sources is not None:
+            self.sources.close()  # unmaps prefill workers' caches once no copy uses them
 
     async def pull(self, prefill_addr: str, request: HandoffRequest, dest: KVDestination) -> HandoffResult:
         call = self._prefill_call(prefill_addr)
