@@ -272,9 +272,14 @@ class SourceCaches:
                 self._maps[region.path] = entry
             return entry[1]
 
+    def prune(self) -> None:
+        """Drop the mappings of caches whose file is gone (their prefill worker stopped), so the
+        node gets their pages back once no copy still reads them."""
+        with self._lock:
+            for path in [p for p in self._maps if not os.path.exists(p)]:
+                del self._maps[path]
+
     def _map(self, region: kv_pb2.ShmRegion) -> tuple[mmap.mmap, torch.Tensor]:
-        for path in [p for p in self._maps if not os.path.exists(p)]:
-            del self._maps[path]  # their prefill worker stopped: let the pages go
         fd = os.open(region.path, os.O_RDONLY)
         try:
             m = mmap.mmap(fd, 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)

@@ -194,6 +194,8 @@ class GrpcKVTransport(KVTransport):
                 attempt.doorbell = self._register_doorbell(verifier, _ShmReader(self.arena, region), dest)
                 start.shm.doorbell, start.shm.ticket = str(self.doorbell.path), attempt.doorbell.ticket
                 start.shm.direct = self.sources is not None
+                if self.sources is not None:
+                    self.sources.prune()
         await call.write(kv_pb2.PrefillClientMessage(start=start))
         rx = await _read(call)
         if rx.kind() != "header":

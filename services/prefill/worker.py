@@ -293,8 +293,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             if h.done_sent:
                 if h.send_started_at is not None:
                     # One clock, and nothing left out: gather, encode, wire, verify and cache write
-                    # of every chunk, the first one included, plus the ack's way back (a doorbell
-                    # ack carries the time its thread read it).
+                    # of every chunk, the first one included (to a doorbell ack's stamp of the
+                    # last write, or a stream ack's arrival).
                     self.metrics.kv_send_seconds.observe(self._transfer_end(h, ev) - h.send_started_at)
                     self.metrics.kv_send_bytes.inc(h.bytes_sent)
                 return "ack"
