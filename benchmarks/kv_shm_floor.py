@@ -29,7 +29,6 @@ machine's speed hits both alike.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import socket
 import statistics
@@ -44,7 +43,7 @@ import torch
 from kvrelay.kernels import native_ops
 from kvrelay.kvtransfer.chunk_wire import checksum, payload_pieces, pieces_checksum, place_chunk
 from kvrelay.kvtransfer.layout import ChunkRange, DirectChunk, KVLayout
-from kvrelay.kvtransfer.shm import DATA_START, SharedKVCache, ShmArena, SourceCaches
+from kvrelay.kvtransfer.shm import DATA_START, SharedKVCache, ShmArena, SourceCaches, map_file
 from kvrelay.v1 import kv_pb2
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 5, 4, 64, 16
@@ -93,12 +92,7 @@ def take(cache: torch.Tensor, region: np.ndarray, ids: torch.Tensor, digest: int
 
 def map_region(path: str) -> np.ndarray:
     """Decode side: the region the prefill side places into (its arena file past the nonce page)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-    return np.frombuffer(m, dtype=np.uint8)[DATA_START:]
+    return np.frombuffer(map_file(path, writable=True), dtype=np.uint8)[DATA_START:]
 
 
 def decode_side(sock_path: str, region_path: str, cache_path: str, cache_nonce: str) -> None:

@@ -181,6 +181,27 @@ def _age_s(path: Path) -> float:
         return 0.0
 
 
+def map_file(path: str, writable: bool) -> mmap.mmap:
+    """The whole file, mapped shared (raises OSError, or ValueError for an empty file)."""
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+    finally:
+        os.close(fd)
+
+
+def has_nonce(m: mmap.mmap, nonce: bytes) -> bool:
+    """Whether the mapped file begins with nonce: the file its owner named, not another."""
+    return len(nonce) == NONCE_BYTES and m[:NONCE_BYTES] == nonce
+
+
+def forget_gone(maps: dict[str, object]) -> None:
+    """Drop mappings of files that are gone (their owner stopped), so that their pages can be
+    freed once nothing still reads or writes them."""
+    for path in [p for p in maps if not os.path.exists(p)]:
+        del maps[path]
+
+
 class ShmOpener:
     """Prefill side: maps offered arena files once each and hands out views of their regions."""
 
@@ -192,32 +213,20 @@ class ShmOpener:
         (another node, another mount) or the offer does not fit it: the bytes then go inline."""
         entry = self._maps.get(path)
         if entry is None:
-            self._forget_gone()
+            forget_gone(self._maps)
             try:
-                fd = os.open(path, os.O_RDWR)
-            except OSError:
-                return None
-            try:
-                entry = (m := mmap.mmap(fd, 0, flags=_MAP_FLAGS), np.frombuffer(m, dtype=np.uint8))
+                m = map_file(path, writable=True)
             except (OSError, ValueError):
                 return None
-            finally:
-                os.close(fd)
-            self._maps[path] = entry
+            entry = self._maps[path] = (m, np.frombuffer(m, dtype=np.uint8))
         m, view = entry
-        if len(nonce) != NONCE_BYTES or m[:NONCE_BYTES] != nonce:
+        if not has_nonce(m, nonce):
             # A file of that name exists but is not the decode worker's arena (or was replaced).
             del self._maps[path]
             return None
         if offset < DATA_START or offset + size > len(m):
             return None
         return view[offset:offset + size]
-
-    def _forget_gone(self) -> None:
-        """Drop mappings of arenas whose file is gone (their decode worker stopped), so their
-        pages can be freed once no hand-off still writes into them."""
-        for path in [p for p in self._maps if not os.path.exists(p)]:
-            del self._maps[path]
 
     def close(self) -> None:
         self._maps.clear()  # the mmaps unmap when the last view of them goes
@@ -264,7 +273,7 @@ class SourceCaches:
         the file is not (or no longer) that prefill worker's cache."""
         with self._lock:
             entry = self._maps.get(region.path)
-            if entry is not None and entry[0][:NONCE_BYTES] != region.nonce:
+            if entry is not None and not has_nonce(entry[0], region.nonce):
                 del self._maps[region.path]  # replaced by another worker's file of that name
                 entry = None
             if entry is None:
@@ -276,16 +285,11 @@ class SourceCaches:
         """Drop the mappings of caches whose file is gone (their prefill worker stopped), so the
         node gets their pages back once no copy still reads them."""
         with self._lock:
-            for path in [p for p in self._maps if not os.path.exists(p)]:
-                del self._maps[path]
+            forget_gone(self._maps)
 
     def _map(self, region: kv_pb2.ShmRegion) -> tuple[mmap.mmap, torch.Tensor]:
-        fd = os.open(region.path, os.O_RDONLY)
-        try:
-            m = mmap.mmap(fd, 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        if len(region.nonce) != NONCE_BYTES or m[:NONCE_BYTES] != region.nonce:
+        m = map_file(region.path, writable=False)
+        if not has_nonce(m, region.nonce):
             raise OSError(f"{region.path} is not the prefill worker's KV cache (nonce differs)")
         per_block = int(np.prod(self._block)) * self._dtype.itemsize * 2 * self._layers
         if region.offset != DATA_START or region.size % per_block or region.offset + region.size > len(m):

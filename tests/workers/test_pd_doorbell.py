@@ -6,6 +6,7 @@ end, and every failure of the socket ends as a clean gRPC-side failure with noth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 
@@ -35,6 +36,29 @@ async def _doorbell_pair(tmp_path, kv_doorbell: bool = True, **prefill):
     pair = await start_pair(prefill_options=popts, decode_options=dopts)
     assert (pair.decode.doorbell is not None) == kv_doorbell
     return pair
+
+
+@contextlib.asynccontextmanager
+async def _pair_and_reference(tmp_path, kv_doorbell: bool = True, **prefill):
+    """A doorbell pair and a single-process engine to compare it with, both stopped after."""
+    pair = await _doorbell_pair(tmp_path, kv_doorbell, **prefill)
+    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
+    await ref.start()
+    try:
+        yield pair, ref
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()
+
+
+async def _assert_falls_back_locally(pair, ref, prompt: list[int], params, caplog, why: str) -> None:
+    """The hand-off fails with a ChunkError saying why; local prefill gives the same answer;
+    nothing is stranded."""
+    await _assert_same_as_single_process(pair, ref, prompt, params)
+    assert _count(pair.decode.metrics.failures, "ChunkError") == 1
+    assert _count(pair.decode.metrics.fallbacks, "local") == 1
+    assert why in caplog.text
+    await assert_all_free(pair.prefill.engine, pair.decode.engine)
 
 
 async def _assert_same_as_single_process(pair, ref: AsyncEngine, prompt: list[int], params) -> None:
@@ -69,10 +93,7 @@ def _tokens_and_logprobs(outputs):
 async def test_doorbell_hand_off_equals_single_process(tmp_path):
     """Prompts under and over stream_min_tokens (chunks rung from the layer hook while later
     layers compute), greedy and seeded: each hand-off is rung and acked on the doorbell."""
-    pair = await _doorbell_pair(tmp_path)
-    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
-    await ref.start()
-    try:
+    async with _pair_and_reference(tmp_path) as (pair, ref):
         rng = random.Random(8)
         prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 120, 300)]
         for prompt in prompts:
@@ -92,9 +113,6 @@ async def test_doorbell_hand_off_equals_single_process(tmp_path):
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
         assert pair.decode.arena.free_bytes == pair.decode.arena.capacity
         sock = pair.decode.doorbell.path
-    finally:
-        await stop_pair(pair)
-        await ref.shutdown()
     assert not sock.exists()  # unlinked at stop
 
 
@@ -102,10 +120,7 @@ async def test_broken_doorbell_fails_over_the_stream_and_strands_nothing(tmp_pat
     """The decode worker's doorbell goes away mid-hand-off: the prefill worker's next ring fails,
     it aborts on the stream, the decode worker prefills locally (the same answer), and a later
     hand-off, finding no socket, signals on gRPC."""
-    pair = await _doorbell_pair(tmp_path, debug_chunk_delay_s=0.2)
-    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
-    await ref.start()
-    try:
+    async with _pair_and_reference(tmp_path, debug_chunk_delay_s=0.2) as (pair, ref):
         prompt = list(range(40, 190))
         want = _tokens_and_logprobs(await _outputs(ref.generate(prompt, SEEDED)))
         task = asyncio.create_task(_outputs(pair.client.generate(prompt, SEEDED, prefill_addr=pair.prefill_addr)))
@@ -122,40 +137,25 @@ async def test_broken_doorbell_fails_over_the_stream_and_strands_nothing(tmp_pat
         assert _count(pair.prefill.metrics.doorbells, "unreachable") == 1
         assert _count(pair.prefill.metrics.kv_handoffs, "ack") == 1
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
-    finally:
-        await stop_pair(pair)
-        await ref.shutdown()
 
 
 async def test_without_the_doorbell_hand_offs_signal_on_the_stream(tmp_path):
-    pair = await _doorbell_pair(tmp_path, kv_doorbell=False)
-    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
-    await ref.start()
-    try:
+    async with _pair_and_reference(tmp_path, kv_doorbell=False) as (pair, ref):
         assert [p.name for p in tmp_path.iterdir()] == [pair.decode.arena.path.name]  # no socket
         await _assert_same_as_single_process(pair, ref, list(range(50, 130)), SEEDED)
         m = pair.prefill.metrics
         assert _count(m.shm_offers, "accepted") == 1 and _count(m.kv_handoffs, "ack") == 1
         assert _count(m.doorbells, "connected") == _count(m.doorbells, "unreachable") == 0
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
-    finally:
-        await stop_pair(pair)
-        await ref.shutdown()
 
 
 async def test_lost_doorbell_ack_is_covered_by_the_stream_ack(tmp_path, monkeypatch):
     monkeypatch.setattr(DoorbellServer, "_ack", lambda self, conn, h: None)
-    pair = await _doorbell_pair(tmp_path)
-    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
-    await ref.start()
-    try:
+    async with _pair_and_reference(tmp_path) as (pair, ref):
         await _assert_same_as_single_process(pair, ref, list(range(30, 130)), GREEDY)
         assert _count(pair.prefill.metrics.doorbells, "connected") == 1
         assert _count(pair.prefill.metrics.kv_handoffs, "ack") == 1
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
-    finally:
-        await stop_pair(pair)
-        await ref.shutdown()
 
 
 async def test_frames_reach_only_a_live_hand_off_and_a_bad_header_writes_nothing(tmp_path):
@@ -206,10 +206,7 @@ async def test_direct_hand_off_copies_from_the_prefill_workers_cache_and_equals_
     """--kv-shared-cache: the decode worker copies the held blocks straight out of the prefill
     worker's cache file (read-only), layer-streamed chunks included; nothing goes through the
     region, the answers equal a single process, and the cache file goes at stop."""
-    pair = await _doorbell_pair(tmp_path, kv_shared_cache=True)
-    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
-    await ref.start()
-    try:
+    async with _pair_and_reference(tmp_path, kv_shared_cache=True) as (pair, ref):
         cache_file = pair.prefill.shared_cache.arena.path
         assert cache_file.exists() and cache_file.stat().st_mode & 0o777 == 0o600
         region = pair.decode.arena.view[DATA_START:]
@@ -225,9 +222,6 @@ async def test_direct_hand_off_copies_from_the_prefill_workers_cache_and_equals_
         assert _count(pair.decode.metrics.kv_overlap_bytes) > 0  # the 300-token prompt was layer-streamed
         assert (region == 0x5A).all()
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
-    finally:
-        await stop_pair(pair)
-        await ref.shutdown()
     assert not cache_file.exists()
 
 
@@ -245,55 +239,30 @@ async def test_direct_chunk_whose_source_changed_fails_the_check_and_falls_back(
         dst[lo, 0, int(dst_ids[0])].view(-1)[0] += 1.0  # as if the source changed under the copy
 
     monkeypatch.setattr(layout.native_ops, "copy_blocks", copy_then_flip)
-    pair = await _doorbell_pair(tmp_path, kv_shared_cache=True)
-    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
-    await ref.start()
-    try:
-        prompt = list(range(60, 160))
-        await _assert_same_as_single_process(pair, ref, prompt, SEEDED)
+    async with _pair_and_reference(tmp_path, kv_shared_cache=True) as (pair, ref):
+        await _assert_falls_back_locally(pair, ref, list(range(60, 160)), SEEDED, caplog,
+                                         "checksum mismatch after the direct copy")
         assert _count(pair.prefill.metrics.direct) == 1
-        assert _count(pair.decode.metrics.fallbacks, "local") == 1
-        assert _count(pair.decode.metrics.failures, "ChunkError") == 1
-        assert "checksum mismatch after the direct copy" in caplog.text
-        await assert_all_free(pair.prefill.engine, pair.decode.engine)
-    finally:
-        await stop_pair(pair)
-        await ref.shutdown()
 
 
 async def test_direct_hand_off_needs_the_decode_workers_offer(tmp_path):
     """A decode worker that cannot read a shared cache (GPU cache, or an older version) does not
     offer it: a prefill worker with one places the K/V in the region as before."""
-    pair = await _doorbell_pair(tmp_path, kv_shared_cache=True)
-    pair.decode.transport.sources = None
-    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
-    await ref.start()
-    try:
+    async with _pair_and_reference(tmp_path, kv_shared_cache=True) as (pair, ref):
+        pair.decode.transport.sources = None
         await _assert_same_as_single_process(pair, ref, list(range(20, 120)), GREEDY)
         m = pair.prefill.metrics
         assert _count(m.direct) == 0 and _count(m.doorbells, "connected") == 1 and _count(m.kv_handoffs, "ack") == 1
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
-    finally:
-        await stop_pair(pair)
-        await ref.shutdown()
 
 
 async def test_direct_hand_off_whose_cache_file_is_gone_falls_back(tmp_path, caplog):
     """The decode worker cannot map the prefill worker's cache (here: its file was removed, as on
     another mount): a clear ChunkError before any copy, local prefill, nothing stranded."""
-    pair = await _doorbell_pair(tmp_path, kv_shared_cache=True)
-    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
-    await ref.start()
-    try:
+    async with _pair_and_reference(tmp_path, kv_shared_cache=True) as (pair, ref):
         pair.prefill.shared_cache.arena.path.unlink()  # the engine keeps its mapping
-        await _assert_same_as_single_process(pair, ref, list(range(70, 150)), GREEDY)
-        assert _count(pair.decode.metrics.failures, "ChunkError") == 1
-        assert _count(pair.decode.metrics.fallbacks, "local") == 1
-        assert "cannot map the prefill worker's shared KV cache" in caplog.text
-        await assert_all_free(pair.prefill.engine, pair.decode.engine)
-    finally:
-        await stop_pair(pair)
-        await ref.shutdown()
+        await _assert_falls_back_locally(pair, ref, list(range(70, 150)), GREEDY, caplog,
+                                         "cannot map the prefill worker's shared KV cache")
 
 
 async def test_direct_chunks_are_checked_against_the_checksums_that_follow(tmp_path):
