@@ -239,18 +239,16 @@ class SharedKVCache:
     def __init__(self, directory: str | Path = "/dev/shm"):
         self.directory = directory
         self.arena: ShmArena | None = None
-        self.nbytes = 0
 
     def __call__(self, nbytes: int) -> torch.Tensor:
-        """nbytes of zeroed, committed shared memory as a uint8 tensor."""
+        """nbytes of zeroed, committed shared memory (fallocate, MAP_POPULATE) as a uint8 tensor."""
         self.arena = ShmArena(DATA_START + nbytes, self.directory)
-        self.nbytes = nbytes
-        return torch.from_numpy(self.arena.view[DATA_START:DATA_START + nbytes])
+        return torch.from_numpy(self.arena.view[DATA_START:])
 
     def offer(self) -> kv_pb2.ShmRegion:
         """The cache file: path, nonce, and where the cache lies in it."""
         return kv_pb2.ShmRegion(path=str(self.arena.path), nonce=self.arena.nonce, offset=DATA_START,
-                                size=self.nbytes)
+                                size=self.arena.size - DATA_START)
 
     def close(self) -> None:
         if self.arena is not None:
