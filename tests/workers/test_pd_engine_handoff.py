@@ -22,7 +22,9 @@ class LoadFailed(Exception):
 async def test_failed_attempt_never_leaks_into_a_retry_with_the_same_id():
     """A failed hand-off's cleanup must not reach the stream of the retry that reuses its id
     (it once ended retries after their first token, or with no token at all)."""
-    engine = AsyncEngine(EngineArgs(num_kv_blocks=64))
+    # 128 blocks hold the four busy requests at full length (27 blocks each) beside the attempts:
+    # with 64, a slow run filled the pool and reserve() refused an attempt (it never waits).
+    engine = AsyncEngine(EngineArgs(num_kv_blocks=128))
     await engine.start()
     try:
         want = [t async for o in engine.generate(PROMPT, PARAMS, "ref") for t in o.new_token_ids]
