@@ -17,12 +17,15 @@ from pathlib import Path
 import torch
 from kvrelay.engine.block_pool import BlockPool, NoFreeBlocksError
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
-from kvrelay.engine.engine_args import EngineArgs
+from kvrelay.engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
-from kvrelay.engine.model import DecoderModel, StepBatch
+from kvrelay.engine.model import DecoderModel
 from kvrelay.engine.model_config import load_model_config, parse_dtype
 from kvrelay.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from kvrelay.engine.runner.cuda_graphs import bucket_sizes
+from kvrelay.engine.runner.memory import plan_kv_cache
+from kvrelay.engine.runner.model_runner import ModelRunner
 from kvrelay.engine.sampler import sample
 from kvrelay.engine.sampling_params import SamplingParams, defaults_from_generation_config
 from kvrelay.engine.scheduler import Scheduler, SchedulerConfig
@@ -102,7 +105,21 @@ class LLMEngine:
         cfg = self.config
         bs = args.block_size
         bytes_per_block = cfg.num_layers * 2 * bs * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        num_blocks = args.num_kv_blocks or args.kv_cache_memory // bytes_per_block
+        use_graphs = self.device.type == "cuda" and not args.enforce_eager and self.ops.backend == "triton"
+        if args.num_kv_blocks:
+            num_blocks = args.num_kv_blocks
+        elif args.kv_cache_memory is not None:
+            num_blocks = args.kv_cache_memory // bytes_per_block
+        elif self.device.type == "cuda":
+            plan = plan_kv_cache(
+                self.model, cfg, self.dtype, self.device, args.gpu_memory_utilization, bs,
+                min(args.max_num_batched_tokens, self.max_model_len),
+                bucket_sizes(args.max_num_seqs)[-1] if use_graphs else 1,
+            )
+            log.info("%s", plan.describe())
+            num_blocks = plan.kv_bytes // bytes_per_block
+        else:
+            num_blocks = CPU_KV_CACHE_BYTES // bytes_per_block
         if num_blocks * bs < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), less than one "
@@ -120,6 +137,10 @@ class LLMEngine:
                 # committed at start (not when a pod is already serving) and writing a block never
                 # page-faults mid-step or mid-hand-off (~0.5 ms per 4 MiB of fresh blocks here).
                 self.kv_cache.view(-1).fill_(0)
+        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.max_model_len, args.max_num_seqs,
+                                  args.max_num_batched_tokens)
+        if use_graphs:
+            self.runner.capture_graphs()
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs),
@@ -281,55 +302,6 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _build_batch(self, seqs: list[Sequence], num_new: list[int]) -> tuple[StepBatch, list[int]]:
-        bs = self.args.block_size
-        order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)  # decodes first
-        ids, positions, slots = [], [], []
-        dec_tables, dec_lens, pre_tables, pre_lens, pre_starts = [], [], [], [], [0]
-        logits_rows, sample_seqs = [], []
-        for i in order:
-            seq, n = seqs[i], num_new[i]
-            start = seq.num_computed
-            table = seq.block_table
-            if n == 1:  # most rows: no slices, ranges or generators
-                ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-                dec_tables.append(table)
-                dec_lens.append(start + 1)
-            else:
-                ids.extend(seq.token_ids[start : start + n])
-                positions.extend(range(start, start + n))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-                pre_tables.append(table)
-                pre_lens.append(start + n)
-                pre_starts.append(pre_starts[-1] + n)
-            if start + n == seq.num_tokens:  # all known tokens computed: sample the next one
-                logits_rows.append(len(ids) - 1)
-                sample_seqs.append(i)
-
-        def table_tensor(tables: list[list[int]]) -> torch.Tensor:
-            width = max((len(t) for t in tables), default=0)
-            return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(
-                len(tables), width
-            )
-
-        dev = self.device
-        token_rows = torch.tensor([ids, positions, slots], dtype=torch.int64, device=dev)  # one call, not three
-        batch = StepBatch(
-            input_ids=token_rows[0],
-            positions=token_rows[1],
-            slot_mapping=token_rows[2],
-            num_decode=len(dec_lens),
-            decode_block_tables=table_tensor(dec_tables).to(dev),
-            decode_seq_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev),
-            prefill_block_tables=table_tensor(pre_tables).to(dev),
-            prefill_query_start_loc=torch.tensor(pre_starts, dtype=torch.int32, device=dev),
-            prefill_seq_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
-        )
-        return batch, sample_seqs
-
     def step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
         if not step.seqs:
@@ -338,8 +310,7 @@ class LLMEngine:
         for seq in step.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        batch, sample_idx = self._build_batch(step.seqs, step.num_new)
-        logits = self.model.forward(batch, self.kv_cache)
+        logits, sample_idx = self.runner.execute(step.seqs, step.num_new)
         bs = self.args.block_size
         for seq, n in zip(step.seqs, step.num_new):
             seq.num_computed += n
