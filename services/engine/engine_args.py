@@ -34,6 +34,9 @@ class EngineArgs:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     gpu_memory_utilization: float = 0.9  # CUDA, without kv_cache_memory: share of the device to use
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    # Detokenize a step's tokens during the next step's forward; None: on CUDA only (on CPU the
+    # forward is synchronous, so there is nothing to overlap with).
+    async_output: bool | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

@@ -154,6 +154,10 @@ class LLMEngine:
         # (write_reserved), and while abort() frees a reservation: never freed under a writer.
         self._reserved_lock = threading.Lock()
         self._next_seq_id = 0
+        # CUDA: a step's detokenizing and stop strings run during the next step's forward, whose
+        # launch returns at once; a token that ends its sequence by id or length is final at once.
+        self.defer_outputs = args.async_output if args.async_output is not None else self.device.type == "cuda"
+        self._deferred: list[tuple[Sequence, int, object]] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         log.info(
@@ -270,7 +274,12 @@ class LLMEngine:
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Finish every unfinished sample of the request and free its blocks now."""
         outputs = []
-        for seq in self.requests.pop(request_id, []):
+        seqs = self.requests.pop(request_id, [])
+        pending = set()  # sequences with a token appended in the last step, its output deferred
+        if self._deferred:
+            pending = {d[0] for d in self._deferred if d[0].request_id == request_id}
+            self._deferred = [d for d in self._deferred if d[0] not in pending]
+        for seq in seqs:
             seq.hold_blocks = False
             if seq.finished:
                 self.scheduler.free_blocks(seq)  # blocks held for a hand-off
@@ -281,11 +290,13 @@ class LLMEngine:
             else:
                 self.scheduler.finish(seq, "abort")
             seq.metrics.finished_time = time.monotonic()
+            if seq in pending:  # never reported: dropped, as the synchronous engine drops a token
+                seq.token_ids.pop()  # computed after the client's last output
             outputs.append(self._output(seq, [], seq.detok.take(final=True)))
         return outputs
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._deferred)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -305,25 +316,58 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
         if not step.seqs:
-            return []
+            return self._flush_deferred()
         now = time.monotonic()
         for seq in step.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
         logits, sample_idx = self.runner.execute(step.seqs, step.num_new)
+        # On CUDA the forward is still running: turn the last step's tokens into text meanwhile.
+        outputs = self._flush_deferred()
         bs = self.args.block_size
         for seq, n in zip(step.seqs, step.num_new):
+            if seq.finished:  # ended at a stop string found just now: its blocks are gone already
+                continue
             seq.num_computed += n
             if seq.num_computed // bs > seq.num_registered:  # a block filled up: make it findable
                 self.scheduler.register_full_blocks(seq)
         if not sample_idx:
-            return []
+            return outputs
         to_sample = [step.seqs[i] for i in sample_idx]
         tokens, logprobs = sample(logits, to_sample)
         now = time.monotonic()
-        return [
-            self._append_token(seq, token, lp, now) for seq, token, lp in zip(to_sample, tokens, logprobs)
-        ]
+        for seq, token, lp in zip(to_sample, tokens, logprobs):
+            if seq.finished:
+                continue  # this step computed a token past the stop string: dropped
+            if self.defer_outputs and not self._finishes(seq, token):
+                seq.token_ids.append(token)
+                self.generation_tokens_total += 1
+                if seq.metrics.first_token_time is None:
+                    seq.metrics.first_token_time = now
+                self._deferred.append((seq, token, lp))
+            else:
+                outputs.append(self._append_token(seq, token, lp, now))
+        return outputs
+
+    def _finishes(self, seq: Sequence, token: int) -> bool:
+        """Whether token ends seq by a stop id or its length (stop strings need the text)."""
+        generated = len(seq.token_ids) + 1 - seq.prompt_len
+        return generated >= seq.max_tokens or token in seq.stop_ids and generated >= seq.params.min_tokens
+
+    def _flush_deferred(self) -> list[RequestOutput]:
+        """Text, stop strings and outputs of tokens appended in the last step (defer_outputs)."""
+        if not self._deferred:
+            return []
+        deferred, self._deferred = self._deferred, []
+        outputs = []
+        for seq, token, lp in deferred:
+            if seq.finished:  # aborted since
+                continue
+            stop_string = seq.detok.add_token(token)
+            if stop_string is not None:
+                self._finish(seq, "stop", stop_string, time.monotonic())
+            outputs.append(self._output(seq, [token], seq.detok.take(final=seq.finished), [lp] if lp else None))
+        return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> RequestOutput:
         seq.token_ids.append(token)
@@ -341,13 +385,16 @@ class LLMEngine:
         if reason is None and generated >= seq.max_tokens:
             reason = "length"
         if reason is not None:
-            self.scheduler.finish(seq, reason, stop_reason)
-            seq.metrics.finished_time = now
-            if all(s.finished for s in self.requests.get(seq.request_id, [])) and not seq.hold_blocks:
-                self.requests.pop(seq.request_id, None)
+            self._finish(seq, reason, stop_reason, now)
         return self._output(
             seq, [token], seq.detok.take(final=reason is not None), [logprob] if logprob else None
         )
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason, now: float) -> None:
+        self.scheduler.finish(seq, reason, stop_reason)
+        seq.metrics.finished_time = now
+        if all(s.finished for s in self.requests.get(seq.request_id, [])) and not seq.hold_blocks:
+            self.requests.pop(seq.request_id, None)
 
     # ---- prefill/decode hand-off ------------------------------------------------------------
 
