@@ -200,7 +200,8 @@ def section_throughput(rep: Report, engine, model_dir: Path, reqs, hf_batch: int
         rep.add(f"throughput_{mode}", {"tokens": generated, "seconds": seconds, "tok_s": rates[mode]},
                 f"throughput kvrelay {mode}: {generated} tokens in {seconds:.2f} s = {rates[mode]:,.0f} tok/s")
     runner.graphs = captured
-
+    if not hf_batch:
+        return
     import transformers
 
     dtype = engine.dtype
@@ -258,6 +259,8 @@ def section_kernels(rep: Report, smoke: bool) -> None:
                                                                  (64, 4096, 4096)])
     for r in bench.rows:
         rep.data.setdefault("kernels", []).append(r.__dict__)
+    if not smoke:
+        section_decode_kernel_only(rep, ops)
     if not smoke and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability() >= (8, 9):
         m = n = k = 4096
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -272,14 +275,72 @@ def section_kernels(rep: Report, smoke: bool) -> None:
 
         import triton.testing
 
+        x_scale = x.abs().amax(dim=1, keepdim=True).float() / 448.0
+        x8 = (x / x_scale).to(torch.float8_e4m3fn)
+        t_gemm = triton.testing.do_bench(
+            lambda: torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16),
+            warmup=10, rep=50)
         got, want = fp8_linear(), F.linear(x, w)
         rel = float((got.float() - want.float()).norm() / want.float().norm())
         t_fp8 = triton.testing.do_bench(fp8_linear, warmup=10, rep=50)
         t_bf16 = triton.testing.do_bench(lambda: F.linear(x, w), warmup=10, rep=50)
         flops = 2 * m * n * k
+        rep.add("fp8_4096_gemm", {"fp8_gemm_ms": t_gemm},
+                f"fp8 GEMM alone (_scaled_mm, rowwise scales) M=N=K=4096: {t_gemm:.3f} ms "
+                f"{flops / t_gemm / 1e9:.0f} TFLOP/s = {t_bf16 / t_gemm:.2f}x bf16")
         rep.add("fp8_4096", {"fp8_ms": t_fp8, "bf16_ms": t_bf16, "rel_err": rel},
                 f"fp8 W8A8 M=N=K=4096 (dynamic per-token activation scales included): {t_fp8:.3f} ms "
                 f"{flops / t_fp8 / 1e9:.0f} TFLOP/s vs bf16 {t_bf16:.3f} ms = {t_bf16 / t_fp8:.2f}x, rel err {rel:.1e}")
+
+
+def kernel_only_ms(fn, iters: int = 20) -> float:
+    """Device time of fn's kernels alone (torch.profiler), the L2 flushed before each call: at small
+    shapes do_bench's events also count the host's launch gaps, which a CUDA graph removes."""
+    import torch
+
+    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and "Fill" not in e.name:
+            total_us += getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)
+    return total_us / 1e3 / iters
+
+
+def _decode_kernel_case(rep: Report, ops, batch: int, context: int) -> None:
+    import torch
+    import torch.nn.functional as F
+    from kernels_gpu import contiguous_kv, paged_inputs
+
+    heads, kv_heads, dim = 32, 8, 128
+    k_cache, v_cache, tables = paged_inputs(torch, batch, context, 16, kv_heads, dim, torch.bfloat16, "cuda")
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn((batch, heads, dim), device="cuda").to(torch.bfloat16)
+    nbytes = 2 * batch * context * kv_heads * dim * 2
+    times = {}
+    for splits in (None, 1, 2, 4, 8, 16, 32, 64):
+        times[splits] = kernel_only_ms(
+            lambda s=splits: ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, num_splits=s))
+    k, v = contiguous_kv(k_cache, tables, context), contiguous_kv(v_cache, tables, context)
+    sdpa = kernel_only_ms(lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True))
+    best = min((t, s) for s, t in times.items() if s is not None)
+    auto = times[None]
+    rep.add(f"decode_kernel_only_{batch}x{context}", {"auto_ms": auto, "by_splits": times, "sdpa_ms": sdpa},
+            f"decode attention kernels alone B={batch} ctx={context} H=32/8 D=128: auto {auto * 1e3:.1f} us "
+            f"({nbytes / auto / 1e9:.0f} GB/s, {100 * nbytes / auto / 1e9 / 4800:.0f}% of 4.8 TB/s); best "
+            f"splits={best[1]} {best[0] * 1e3:.1f} us ({100 * nbytes / best[0] / 1e9 / 4800:.0f}%); "
+            f"SDPA on contiguous K/V {sdpa * 1e3:.1f} us")
+
+
+def section_decode_kernel_only(rep: Report, ops) -> None:
+    for batch, context in ((1, 4096), (4, 4096), (32, 4096), (64, 4096)):
+        _decode_kernel_case(rep, ops, batch, context)
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -290,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: every section runs, no timing")
     p.add_argument("--only", default="parity,step,throughput,kernels")
     p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline (~25 s on an H200)")
     args = p.parse_args(argv)
     smoke = args.cpu_smoke
     if smoke:
@@ -343,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                 prompt_range, out_range = ((4, 40), (2, 8)) if smoke else ((32, 1024), (32, 256))
                 reqs = [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))],
                          rng.randint(*out_range)) for _ in range(n)]
-                run("throughput", section_throughput, rep, engine, model_dir, reqs, 4 if smoke else 32, cuda)
+                hf_batch = 0 if args.no_hf else 4 if smoke else 32
+                run("throughput", section_throughput, rep, engine, model_dir, reqs, hf_batch, cuda)
             del engine
     if "kernels" in sections:
         run("kernels", section_kernels, rep, smoke)

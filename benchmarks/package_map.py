@@ -16,7 +16,7 @@ def package_dirs(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, Path]:
     """{package: folder} from [tool.setuptools.package-dir] (read with a regex: tomllib is 3.11+)."""
     text = pyproject.read_text()
     section = text.split("[tool.setuptools.package-dir]", 1)[1].split("\n[", 1)[0]
-    return {m[1]: ROOT / m[2] for m in re.finditer(r'^"([\w.]+)"\s*=\s*"([^"]+)"', section, re.M)}
+    return {m[1]: ROOT / m[2] for m in re.finditer(r'^"([\w.]+)"\s*=\s*"([^"]+)"', section, re.MULTILINE)}
 
 
 def map_kvrelay() -> None:

@@ -231,7 +231,11 @@ def copy_blocks(dst_cache: torch.Tensor, dst_ids: torch.Tensor, src_cache: torch
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: weight[N, K] -> (int8[N, K], fp32 scale[N])."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    amax = w.abs().amax(dim=1).clamp(min=1e-8)
+    # Divide by a tensor, not the scalar 127: on CUDA torch turns division by a Python scalar into
+    # a multiplication by its reciprocal, which is 1 ulp off the true quotient for some rows (the
+    # Triton kernel divides exactly, as the CPU does).
+    scale = amax / torch.full_like(amax, 127.0)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
