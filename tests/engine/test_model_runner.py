@@ -173,3 +173,17 @@ def test_gpu_memory_utilization_sizes_the_kv_cache():  # pragma: no cover
     small = make_engine(BUNDLED_MODEL, device="cuda", gpu_memory_utilization=0.05, enforce_eager=True)
     larger = make_engine(BUNDLED_MODEL, device="cuda", gpu_memory_utilization=0.1, enforce_eager=True)
     assert larger.pool.num_blocks > small.pool.num_blocks > 0
+
+
+def test_cli_flags_of_the_fast_path():
+    import argparse
+
+    from kvrelay.engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli(parser.parse_args(["--gpu-memory-utilization", "0.8", "--enforce-eager"]))
+    assert args.gpu_memory_utilization == 0.8 and args.enforce_eager and args.kv_cache_memory is None
+    engine = make_engine(BUNDLED_MODEL)  # CPU without --kv-cache-memory: the CPU default
+    per_block = engine.kv_cache[:, :, 0].numel() * engine.kv_cache.element_size()
+    assert engine.pool.num_blocks == CPU_KV_CACHE_BYTES // per_block
