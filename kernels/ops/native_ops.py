@@ -11,8 +11,10 @@ from kvrelay.kernels import cpu_native, reference
 from kvrelay.kernels.reference import (
     PackedWeight,
     gather_blocks,
+    fp8_linear,
     int8_matmul,
     paged_prefill_attention,
+    quantize_fp8,
     quantize_int8,
     silu_and_mul,
 )
@@ -20,11 +22,13 @@ from kvrelay.kernels.reference import (
 __all__ = [
     "fused_add_rms_norm",
     "gather_blocks",
+    "fp8_linear",
     "int8_matmul",
     "packed_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
     "prepack_linear",
+    "quantize_fp8",
     "quantize_int8",
     "rms_norm",
     "rotary_embedding",

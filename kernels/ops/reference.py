@@ -284,3 +284,28 @@ def prepack_linear(weight: torch.Tensor) -> PackedWeight | None:
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x[..., K] @ weight.T (+ bias), the weight given packed."""
     return F.linear(x, unpack_linear_weight(packed), bias)
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row float8_e4m3fn: x[R, K] -> (fp8[R, K], fp32 scale[R]). Rows are a weight's
+    output channels, or an activation's tokens (dynamic per-token scales)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1).clamp(min=1e-12)
+    scale = amax / torch.full_like(amax, FP8_MAX)  # a tensor divisor: see quantize_int8
+    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_linear(
+    x: torch.Tensor, weight_fp8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """W8A8: x[M, K] quantized per token to fp8, times weight_fp8[N, K] (per-row scale[N]), fp32
+    accumulation, (+ bias) in x's dtype. The products are those of the fp8 GEMM on the GPU."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_fp8(x2)
+    out = (xq.float() @ weight_fp8.float().t()) * xs[:, None] * scale.float()[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight_fp8.shape[0])

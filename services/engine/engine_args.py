@@ -28,7 +28,7 @@ class EngineArgs:
     served_model_name: str | None = None
     dtype: str = "auto"  # auto: the config's torch_dtype (float32 for the bundled model)
     load_format: str = "auto"  # auto | dummy (random weights from config.json alone)
-    quantization: str | None = None  # None | "int8" (weight-only, per output channel)
+    quantization: str | None = None  # None | "int8" (W8A16, per output channel) | "fp8" (W8A8: per channel, per token)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the paged KV pool; None: see kv_cache_bytes_default
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
@@ -57,7 +57,13 @@ class EngineArgs:
         )
         parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
         parser.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
-        parser.add_argument("--quantization", default=None, choices=["int8"])
+        parser.add_argument(
+            "--quantization",
+            default=None,
+            choices=["int8", "fp8"],
+            help="int8: weight-only, per output channel; fp8: float8_e4m3fn weights per output channel and "
+            "activations per token (GPUs of compute capability 8.9+; on CPU emulated, for tests)",
+        )
         parser.add_argument("--block-size", type=int, default=d.block_size)
         parser.add_argument(
             "--kv-cache-memory",

@@ -97,8 +97,13 @@ class LLMEngine:
         weights = assemble(self.config, {k: v.to(self.device) for k, v in tensors.items()})
         if args.quantization == "int8":
             quantize_linears(weights, self.ops.quantize_int8)
+        elif args.quantization == "fp8":
+            if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+                raise ValueError("--quantization fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, "
+                                 "Hopper or newer); use --quantization int8 on this GPU")
+            quantize_linears(weights, self.ops.quantize_fp8)
         elif args.quantization is not None:
-            raise ValueError(f"quantization must be None or 'int8', got {args.quantization!r}")
+            raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {args.quantization!r}")
         pack_linears(weights, self.ops.prepack_linear)
         self.model = DecoderModel(self.config, weights, self.ops, self.max_model_len)
 
