@@ -186,9 +186,12 @@ def section_throughput(rep: Report, engine, model_dir: Path, reqs, hf_batch: int
 
     runner = engine.runner
     captured = runner.graphs
+    budget = engine.scheduler.config.max_num_batched_tokens  # the engine is built for the largest
     rates = {}
-    for mode in ("graphs", "eager") if captured is not None else ("eager",):
+    modes = [("graphs", 2048), ("eager", 2048), ("graphs", budget)] if captured is not None else [("eager", 2048)]
+    for mode, tokens in modes:
         runner.graphs = captured if mode == "graphs" else None
+        engine.scheduler.config.max_num_batched_tokens = tokens
         start = time.perf_counter()
         for i, (ids, n) in enumerate(reqs):
             engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), f"t{i}")
@@ -196,10 +199,13 @@ def section_throughput(rep: Report, engine, model_dir: Path, reqs, hf_batch: int
         while engine.has_work():
             generated += sum(len(o.new_token_ids) for o in engine.step())
         seconds = time.perf_counter() - start
-        rates[mode] = generated / seconds
-        rep.add(f"throughput_{mode}", {"tokens": generated, "seconds": seconds, "tok_s": rates[mode]},
-                f"throughput kvrelay {mode}: {generated} tokens in {seconds:.2f} s = {rates[mode]:,.0f} tok/s")
+        key = mode if tokens == 2048 else f"{mode}_{tokens}"
+        rates[key] = generated / seconds
+        rep.add(f"throughput_{key}", {"tokens": generated, "seconds": seconds, "tok_s": rates[key]},
+                f"throughput kvrelay {mode}, {tokens}-token step budget: {generated} tokens in {seconds:.2f} s = "
+                f"{rates[key]:,.0f} tok/s")
     runner.graphs = captured
+    engine.scheduler.config.max_num_batched_tokens = budget
     if not hf_batch:
         return
     import transformers
@@ -261,6 +267,7 @@ def section_kernels(rep: Report, smoke: bool) -> None:
         rep.data.setdefault("kernels", []).append(r.__dict__)
     if not smoke:
         section_decode_kernel_only(rep, ops)
+        section_linear_kernel_only(rep, ops)
     if not smoke and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability() >= (8, 9):
         m = n = k = 4096
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -343,13 +350,63 @@ def section_decode_kernel_only(rep: Report, ops) -> None:
         _decode_kernel_case(rep, ops, batch, context)
 
 
+def section_fp8_engine(rep: Report, bf16_engine, model_dir: Path, reqs, device: str) -> None:
+    """--quantization fp8 on the same weights: throughput with graphs, and how many greedy tokens
+    agree with the bf16 engine (W8A8 perturbs logits; random weights make near-ties common)."""
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    memory = 16 * 2**30 if device == "cuda" else 64 * 2**20
+    engine = engine_for(model_dir, device, quantization="fp8", kv_cache_memory=memory, max_num_seqs=256,
+                        max_num_batched_tokens=8192)
+    start = time.perf_counter()
+    for i, (ids, n) in enumerate(reqs):
+        engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), f"f{i}")
+    generated = 0
+    while engine.has_work():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    seconds = time.perf_counter() - start
+    prompts = [ids for ids, _ in reqs[:8]]
+    a, b = greedy_tokens(bf16_engine, prompts, 16), greedy_tokens(engine, prompts, 16)
+    agree = sum(x == y for p, q in zip(a, b) for x, y in zip(p, q))
+    rep.add("throughput_fp8", {"tokens": generated, "seconds": seconds, "tok_s": generated / seconds,
+                               "greedy_agree": agree},
+            f"throughput kvrelay fp8 W8A8, graphs, 8192-token budget: {generated / seconds:,.0f} tok/s; greedy "
+            f"tokens agreeing with bf16: {agree}/{sum(map(len, a))}")
+    del engine
+
+
+def section_linear_kernel_only(rep: Report, ops) -> None:
+    """int8 W8A16 and fp8 W8A8 (quantization of the activations included) against bf16 F.linear, kernels
+    alone, N=K=4096."""
+    import torch
+    import torch.nn.functional as F
+    from kvrelay.kernels import reference as ref
+
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    wq, ws = ops.quantize_int8(w)
+    w8, w8s = ops.quantize_fp8(w)
+    rq, rs = ref.quantize_fp8(w)
+    exact = torch.equal(w8.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(w8s, rs)
+    rep.add("quantize_fp8_exact", exact, f"quantize_fp8 on GPU bit-identical to its reference: {exact}")
+    for m in (1, 16, 64, 4096):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        t_bf16 = kernel_only_ms(lambda x=x: F.linear(x, w))
+        t_int8 = kernel_only_ms(lambda x=x: ops.int8_matmul(x, wq, ws))
+        t_fp8 = kernel_only_ms(lambda x=x: ops.fp8_linear(x, w8, w8s))
+        rel = float((ops.fp8_linear(x, w8, w8s).float() - F.linear(x, w).float()).norm()
+                    / F.linear(x, w).float().norm())
+        rep.add(f"linear_{m}", {"bf16_ms": t_bf16, "int8_ms": t_int8, "fp8_ms": t_fp8, "fp8_rel_err": rel},
+                f"linear M={m} N=K=4096, kernels alone: bf16 {t_bf16 * 1e3:.1f} us, int8 W8A16 {t_int8 * 1e3:.1f} us "
+                f"({t_bf16 / t_int8:.2f}x), fp8 W8A8 {t_fp8 * 1e3:.1f} us ({t_bf16 / t_fp8:.2f}x, rel err {rel:.1e})")
+
+
 # ---- main -------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: every section runs, no timing")
-    p.add_argument("--only", default="parity,step,throughput,kernels")
+    p.add_argument("--only", default="parity,step,throughput,fp8,kernels")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline (~25 s on an H200)")
     args = p.parse_args(argv)
@@ -385,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         config = TINY if smoke else LLAMA_1B
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = make_1b_dir(Path(tmp) / "model", config, device)
-            kw = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+            kw = {"max_num_seqs": 256, "max_num_batched_tokens": 2048 if smoke else 8192}
             if smoke:
                 kw |= {"kv_cache_memory": 64 * 2**20, "max_num_seqs": 16}
             else:
@@ -399,14 +456,16 @@ def main(argv: list[str] | None = None) -> int:
             if "step" in sections:
                 cases = [(4, 40), (2, 100)] if smoke else [(128, 512), (16, 2048)]
                 run("step", section_step, rep, engine, vocab, cases, cuda)
+            rng = random.Random(0)
+            n = 6 if smoke else args.requests
+            prompt_range, out_range = ((4, 40), (2, 8)) if smoke else ((32, 1024), (32, 256))
+            reqs = [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))],
+                     rng.randint(*out_range)) for _ in range(n)]
             if "throughput" in sections:
-                rng = random.Random(0)
-                n = 6 if smoke else args.requests
-                prompt_range, out_range = ((4, 40), (2, 8)) if smoke else ((32, 1024), (32, 256))
-                reqs = [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))],
-                         rng.randint(*out_range)) for _ in range(n)]
                 hf_batch = 0 if args.no_hf else 4 if smoke else 32
                 run("throughput", section_throughput, rep, engine, model_dir, reqs, hf_batch, cuda)
+            if "fp8" in sections:
+                run("fp8_engine", section_fp8_engine, rep, engine, model_dir, reqs, device)
             del engine
     if "kernels" in sections:
         run("kernels", section_kernels, rep, smoke)

@@ -10,8 +10,8 @@ import torch
 from kvrelay.kernels import cpu_native, reference
 from kvrelay.kernels.reference import (
     PackedWeight,
-    gather_blocks,
     fp8_linear,
+    gather_blocks,
     int8_matmul,
     paged_prefill_attention,
     quantize_fp8,
@@ -20,9 +20,9 @@ from kvrelay.kernels.reference import (
 )
 
 __all__ = [
+    "fp8_linear",
     "fused_add_rms_norm",
     "gather_blocks",
-    "fp8_linear",
     "int8_matmul",
     "packed_linear",
     "paged_decode_attention",

@@ -16,8 +16,8 @@ from kvrelay.kernels.triton_prefill_attention import paged_prefill_attention
 from kvrelay.kernels.triton_rotary import rotary_embedding
 
 __all__ = [
-    "fused_add_rms_norm",
     "fp8_linear",
+    "fused_add_rms_norm",
     "gather_blocks",
     "int8_matmul",
     "packed_linear",

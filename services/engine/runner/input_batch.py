@@ -95,9 +95,10 @@ class Staging:
             self.dev[: self.used].copy_(self.host[: self.used], non_blocking=True)
 
     def device_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        count = int(np.prod(shape)) if shape else 1
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
-        return self.dev[offset : offset + nbytes].view(dtype).view(shape)
+        count = 1
+        for n in shape:
+            count *= n
+        return self.dev[offset : offset + count * dtype.itemsize].view(dtype).view(shape)
 
 
 @dataclass
