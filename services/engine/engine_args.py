@@ -37,6 +37,11 @@ class EngineArgs:
     # Detokenize a step's tokens during the next step's forward; None: on CUDA only (on CPU the
     # forward is synchronous, so there is nothing to overlap with).
     async_output: bool | None = None
+    speculative_method: str | None = None  # None | "ngram"
+    num_speculative_tokens: int = 4  # K: proposed tokens per sequence and step
+    ngram_min: int = 1
+    ngram_max: int = 4
+    speculative_disable_batch_size: int = 32  # no speculation in steps with more running sequences
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -94,6 +99,23 @@ class EngineArgs:
         parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         parser.add_argument("--kernel-backend", default=d.kernel_backend, choices=["auto", "torch", "native", "triton"])
         parser.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+        parser.add_argument(
+            "--speculative-method",
+            default=None,
+            choices=["ngram"],
+            help="speculative decoding: ngram proposes tokens by prompt lookup (over the prompt and the output "
+            "so far); verification keeps the output distribution exactly (default: off)",
+        )
+        parser.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                            help="tokens proposed per sequence and step (1-16)")
+        parser.add_argument("--ngram-min", type=int, default=d.ngram_min, help="shortest suffix n-gram looked up")
+        parser.add_argument("--ngram-max", type=int, default=d.ngram_max, help="longest suffix n-gram looked up")
+        parser.add_argument(
+            "--speculative-disable-batch-size",
+            type=int,
+            default=d.speculative_disable_batch_size,
+            help="no speculation in steps that run more sequences than this (a full batch is compute-bound)",
+        )
         parser.add_argument(
             "--dummy-seed", type=int, default=d.dummy_seed, help="seed of --load-format dummy weights"
         )

@@ -30,6 +30,8 @@ from kvrelay.engine.sampler import sample
 from kvrelay.engine.sampling_params import SamplingParams, defaults_from_generation_config
 from kvrelay.engine.scheduler import Scheduler, SchedulerConfig
 from kvrelay.engine.sequence import Sequence, Status
+from kvrelay.engine.spec_decode.speculator import SpecConfig, Speculator
+from kvrelay.engine.spec_decode.verify import verify
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.engine.weights import assemble, dummy_tensors, pack_linears, quantize_linears, read_tensors
 from kvrelay.kernels.registry import cpu_backend, get_ops
@@ -151,6 +153,12 @@ class LLMEngine:
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs),
             self.pool,
         )
+        self.speculator = None
+        if args.speculative_method is not None:
+            self.speculator = Speculator(
+                SpecConfig(args.speculative_method, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
+                           args.speculative_disable_batch_size),
+                self.scheduler, args.max_num_batched_tokens)
         self.eos_ids = _as_id_set(self.generation_config.get("eos_token_id"))
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -326,33 +334,69 @@ class LLMEngine:
         for seq in step.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        logits, sample_idx = self.runner.execute(step.seqs, step.num_new)
+        proposals = self.speculator.propose(step) if self.speculator is not None else {}
+        logits, sample_idx, rows = self.runner.execute(step.seqs, step.num_new, frozenset(proposals))
+        if proposals:
+            self.speculator.withdraw(step, proposals)
         # On CUDA the forward is still running: turn the last step's tokens into text meanwhile.
         outputs = self._flush_deferred()
         bs = self.args.block_size
-        for seq, n in zip(step.seqs, step.num_new):
-            if seq.finished:  # ended at a stop string found just now: its blocks are gone already
+        for i, (seq, n) in enumerate(zip(step.seqs, step.num_new)):
+            if seq.finished or i in proposals:  # ended at a stop string found just now; verified below
                 continue
             seq.num_computed += n
             if seq.num_computed // bs > seq.num_registered:  # a block filled up: make it findable
                 self.scheduler.register_full_blocks(seq)
         if not sample_idx:
             return outputs
+        if proposals:
+            logits = self._verify(step.seqs, proposals, logits, sample_idx, rows, outputs)
+            sample_idx = [i for i in sample_idx if i not in proposals]
         to_sample = [step.seqs[i] for i in sample_idx]
+        if not to_sample:
+            return outputs
         tokens, logprobs = sample(logits, to_sample)
         now = time.monotonic()
         for seq, token, lp in zip(to_sample, tokens, logprobs):
-            if seq.finished:
-                continue  # this step computed a token past the stop string: dropped
-            if self.defer_outputs and not self._finishes(seq, token):
-                seq.token_ids.append(token)
-                self.generation_tokens_total += 1
-                if seq.metrics.first_token_time is None:
-                    seq.metrics.first_token_time = now
-                self._deferred.append((seq, token, lp))
-            else:
-                outputs.append(self._append_token(seq, token, lp, now))
+            if not seq.finished:  # else this step computed a token past a stop string: dropped
+                self._emit(seq, token, lp, now, outputs)
         return outputs
+
+    def _verify(self, seqs, proposals, logits, sample_idx, rows, outputs) -> torch.Tensor:
+        """Verify each speculating sequence against its rows of logits and emit what it accepted;
+        returns the rows of the other sampling sequences, for the plain sampler."""
+        plain, start = [], 0
+        for i, count in zip(sample_idx, rows):
+            if i not in proposals:
+                plain.append(start)
+            else:
+                seq = seqs[i]
+                proposal, computed_before = proposals[i]
+                if not seq.finished:
+                    emitted, lps = verify(seq, logits[start : start + count], proposal)
+                    self.speculator.record(seq, proposal, emitted)
+                    now = time.monotonic()
+                    for token, lp in zip(emitted, lps):
+                        if seq.finished:
+                            break  # a stop id or max_tokens inside the accepted run: the rest is dropped
+                        self._emit(seq, token, lp, now, outputs)
+                    if not seq.finished:  # K/V is valid for the last token and the accepted proposals
+                        seq.num_computed = computed_before + len(emitted)
+                        self.scheduler.register_full_blocks(seq)
+            start += count
+        if len(plain) == len(sample_idx) - len(proposals) and plain == list(range(len(plain))):
+            return logits[: len(plain)]
+        return logits.index_select(0, torch.tensor(plain, dtype=torch.int64, device=logits.device))
+
+    def _emit(self, seq: Sequence, token: int, lp, now: float, outputs: list[RequestOutput]) -> None:
+        if self.defer_outputs and not self._finishes(seq, token):
+            seq.token_ids.append(token)
+            self.generation_tokens_total += 1
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            self._deferred.append((seq, token, lp))
+        else:
+            outputs.append(self._append_token(seq, token, lp, now))
 
     def _finishes(self, seq: Sequence, token: int) -> bool:
         """Whether token ends seq by a stop id or its length (stop strings need the text)."""

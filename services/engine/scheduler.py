@@ -59,6 +59,10 @@ class Scheduler:
         total = seq.num_computed + num_new
         return max(0, -(-total // self.bs) - len(seq.block_table))
 
+    def try_allocate(self, seq: Sequence, num_new: int) -> bool:
+        """Blocks for num_new more tokens of seq if the pool has them now (never preempts)."""
+        return self._try_allocate(seq, num_new)
+
     def _try_allocate(self, seq: Sequence, num_new: int) -> bool:
         need = self._blocks_needed(seq, num_new)
         if need > self.pool.num_free:

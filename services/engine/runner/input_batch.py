@@ -106,6 +106,7 @@ class BuiltStep:
     batch: StepBatch
     sample_idx: list[int]  # positions in the scheduled list of sequences that sample a token
     num_real: int  # decode rows before padding (graph steps); all rows otherwise
+    logits_rows: list[int]  # per sampling sequence, its rows of logits (1; every token's for all_logits)
 
 
 class InputBatch:
@@ -121,9 +122,11 @@ class InputBatch:
         nbytes = 8 * (4 * max_num_tokens + rows) + 4 * (rows * self.max_blocks + 3 * rows + 2) + 16 * _ALIGN
         self.staging = Staging(nbytes, device)
 
-    def build(self, seqs: list[Sequence], num_new: list[int], pad_decode_to: int | None = None) -> BuiltStep:
+    def build(self, seqs: list[Sequence], num_new: list[int], pad_decode_to: int | None = None,
+              all_logits: frozenset[int] = frozenset()) -> BuiltStep:
         """pad_decode_to: a decode-only step padded to this many rows (CUDA graph buckets); padding
-        rows write no K/V (slot -1) and attend to nothing (length 0)."""
+        rows write no K/V (slot -1) and attend to nothing (length 0). all_logits: indices of seqs
+        whose every new token gets a row of logits (speculative verification), not only the last."""
         bs = self.bs
         dec, pre = [], []
         for i, n in enumerate(num_new):
@@ -174,10 +177,13 @@ class InputBatch:
                 sample_idx.append(i)
                 logits_rows.append(r)
         ends = (nd + pad + np.cumsum(pre_counts) - 1).tolist()
+        rows_per_sample = [1] * len(sample_idx)
         for k, i in enumerate(pre):
             if seqs[i].num_computed + num_new[i] == seqs[i].num_tokens:
                 sample_idx.append(i)
-                logits_rows.append(ends[k])
+                count = num_new[i] if i in all_logits else 1
+                logits_rows.extend(range(ends[k] - count + 1, ends[k] + 1))
+                rows_per_sample.append(count)
         num_logits = len(logits_rows) + pad
         lg, lg_off = st.take(num_logits, np.int64)
         lg[: len(logits_rows)] = logits_rows
@@ -220,4 +226,4 @@ class InputBatch:
             prefill_seq_lens=v(plen_off, (len(pre),), torch.int32),
             logits_indices=v(lg_off, (num_logits,), torch.int64),
         )
-        return BuiltStep(batch, sample_idx, nd)
+        return BuiltStep(batch, sample_idx, nd, rows_per_sample)

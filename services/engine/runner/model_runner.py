@@ -40,24 +40,26 @@ class ModelRunner:
             return None
         return self.graphs.bucket(len(num_new))
 
-    def execute(self, seqs: list[Sequence], num_new: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+    def execute(self, seqs: list[Sequence], num_new: list[int], all_logits: frozenset[int] = frozenset()
+                ) -> tuple[torch.Tensor | None, list[int], list[int]]:
         """Runs the step (K/V of every scheduled token written into the cache). Returns fp32 logits,
-        one row per sampling sequence, and those sequences' positions in seqs (None, [] if none)."""
-        size = self._graph_size(num_new)
-        built = self.inputs.build(seqs, num_new, pad_decode_to=size)
+        the positions in seqs of the sequences that sample, and how many rows of logits each has
+        (one; every new token's for those in all_logits). (None, [], []) when none samples."""
+        size = None if all_logits else self._graph_size(num_new)
+        built = self.inputs.build(seqs, num_new, pad_decode_to=size, all_logits=all_logits)
         if not built.sample_idx and size is None:
             self.model.forward(built.batch, self.kv_cache)
-            return None, []
+            return None, [], []
         if size is not None and len(built.sample_idx) == built.num_real:
             logits = self.graphs.replay(built.batch, size)
             self.graph_steps += 1
         else:
             logits = self.model.forward(built.batch, self.kv_cache)
         if not built.sample_idx:
-            return None, []
+            return None, [], []
         # Padding rows come last: the real rows' logits lead. The sampler edits rows of sequences
         # with penalties or biases in place: those get a copy, not a graph's static output.
-        logits = logits[: len(built.sample_idx)]
+        logits = logits[: sum(built.logits_rows)]
         if size is not None and any(seqs[i].adjusts_logits for i in built.sample_idx):
             logits = logits.clone()
-        return logits, built.sample_idx
+        return logits, built.sample_idx, built.logits_rows
