@@ -322,7 +322,16 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        s = self.speculator.stats
+        return {"spec_num_drafts": s.num_drafts, "spec_num_draft_tokens": s.num_draft_tokens,
+                "spec_num_accepted_tokens": s.num_accepted_tokens,
+                "spec_accepted_per_position": list(s.accepted_per_position)}
 
     # ---- one step -------------------------------------------------------------------------
 

@@ -57,6 +57,11 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # Speculative decoding (vLLM's spec_decode_* counters); zero when it is off.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
     @property
     def kv_usage(self) -> float:

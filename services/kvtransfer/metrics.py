@@ -36,6 +36,24 @@ class EngineStatsCollector:
             ("kvrelay:generation_tokens", "Tokens generated.", s.generation_tokens_total),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        yield from spec_decode_metrics(s)
+
+
+def spec_decode_metrics(s):
+    """Speculative decoding counters, as vLLM names them (only when the engine speculates)."""
+    if not s.spec_accepted_per_position:
+        return
+    for name, doc, value in (
+        ("kvrelay:spec_decode_num_drafts", "Sequences-steps that carried proposed tokens.", s.spec_num_drafts),
+        ("kvrelay:spec_decode_num_draft_tokens", "Tokens proposed.", s.spec_num_draft_tokens),
+        ("kvrelay:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", s.spec_num_accepted_tokens),
+    ):
+        yield CounterMetricFamily(name, doc, value=value)
+    per_position = CounterMetricFamily("kvrelay:spec_decode_num_accepted_tokens_per_pos",
+                                       "Proposed tokens accepted, by position in the proposal.", labels=["position"])
+    for pos, value in enumerate(s.spec_accepted_per_position):
+        per_position.add_metric([str(pos)], value)
+    yield per_position
 
 
 class WorkerMetrics:

@@ -195,3 +195,18 @@ def test_ngram_lookup_takes_the_latest_longest_match():
     assert p.propose([1, 2, 3], 3) == []
     assert p.propose([256, 1, 256], 1) == [1]  # ids whose bytes overlap other ids still align
     assert NgramProposer(2, 2).propose([1, 2, 3, 4, 2], 2) == []
+
+
+def test_counters_reach_the_engine_stats_and_the_workers_metrics():
+    from kvrelay.kvtransfer.metrics import WorkerMetrics
+    from prometheus_client import generate_latest
+
+    engine = make_engine(BUNDLED_MODEL, **SPEC)
+    run_engine(engine, {"r": (REPEATING[0], greedy(24))})
+    s = engine.stats()
+    assert s.spec_num_drafts > 0 and s.spec_num_draft_tokens >= s.spec_num_accepted_tokens > 0
+    assert sum(s.spec_accepted_per_position) == s.spec_num_accepted_tokens
+    text = generate_latest(WorkerMetrics(engine).registry).decode()
+    assert f"kvrelay:spec_decode_num_drafts_total {float(s.spec_num_drafts)}" in text
+    assert 'kvrelay:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in text
+    assert "spec_decode" not in generate_latest(WorkerMetrics(make_engine(BUNDLED_MODEL)).registry).decode()
