@@ -118,11 +118,11 @@ def load_shapes(args: argparse.Namespace) -> list[LoadShape]:
     return [LoadShape(rate, args.burstiness, conc) for rate in rates for conc in concs]
 
 
-def config_of(args: argparse.Namespace, model: str, tenants: list[Tenant]) -> dict:
+def config_of(args: argparse.Namespace, model: str, endpoint: str, tenants: list[Tenant]) -> dict:
     skip = {"api_key", "tenant", "bench_run", "bench_command", "command"}
     cfg = {k: v for k, v in vars(args).items() if k not in skip}
     cfg["request_rate"] = [None if math.isinf(r) else r for r in args.request_rate]
-    cfg["model"] = model
+    cfg["model"], cfg["endpoint"] = model, endpoint
     cfg["tenants"] = [{"name": t.name, "weight": t.weight} for t in tenants]  # never the keys
     return cfg
 
@@ -178,11 +178,12 @@ async def bench_serve(args: argparse.Namespace, console: Console) -> int:
     server = ServerMetrics(metrics_url(args.base_url, args.metrics_url), args.server_pid)
     console.print(f"[bold]kvrelay bench[/] {args.base_url} model {model!r}, {endpoint}, dataset {args.dataset}, "
                   f"{len(shapes)} load level(s)")
+    config = config_of(args, model, endpoint, tenants)
     async with make_http_client(client) as http:
         if args.soak:
             from kvrelay.bench.soak import run_soak
 
-            return await run_soak(http, work, shapes[0], args, server, slo, console, config_of(args, model, tenants))
+            return await run_soak(http, work, shapes[0], args, server, slo, console, config)
         await warm_up(http, work, args.warmup, shapes[0].max_concurrency)
         entries = []
         with LiveProgress(console, not args.no_progress) as live:
@@ -200,7 +201,6 @@ async def bench_serve(args: argparse.Namespace, console: Console) -> int:
         print_entry(console, e)
     if len(entries) > 1:
         console.print(sweep_table(entries))
-    config = config_of(args, model, tenants)
     if args.result_file:
         write_result(args.result_file, config, entries)
         console.print(f"result file: {args.result_file}")
