@@ -1,6 +1,8 @@
 """One streamed request to an OpenAI-compatible server, timed on the client side.
 
-httpx streams the response; every `data:` event with text is a token increment. TTFT runs
+aiohttp streams the response (its C parser keeps the client's own cost per event small: the
+client shares the machine with the server it measures); every `data:` event with text is a
+token increment. TTFT runs
 from sending the request to the first increment with text, ITL is the gap between increments,
 E2E runs to the end of the stream. A 429 is retried after the server's Retry-After (capped),
 and the latency of a retried request still counts from its first attempt: what its user saw.
@@ -14,6 +16,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 
 
@@ -123,25 +126,25 @@ def _increment_text(chunk: dict) -> str:
     return text
 
 
-async def _attempt(http: httpx.AsyncClient, cfg: ClientConfig, body: dict, headers: dict, r: RequestResult,
-                   t0: float) -> httpx.Response | None:
+async def _attempt(http: aiohttp.ClientSession, cfg: ClientConfig, body: dict, headers: dict, r: RequestResult,
+                   t0: float) -> aiohttp.ClientResponse | None:
     """One attempt; fills r's timings. Returns the response only when it is a 429."""
     r.attempts += 1
     last = None
     increments = 0
     try:
-        async with http.stream("POST", cfg.url, json=body, headers=headers) as resp:
-            r.status = resp.status_code
-            if resp.status_code != 200:
-                detail = (await resp.aread())[:300].decode(errors="replace")
-                r.error, r.error_detail = f"http_{resp.status_code}", detail
-                return resp if resp.status_code == 429 else None
+        async with http.post(cfg.url, json=body, headers=headers) as resp:
+            r.status = resp.status
+            if resp.status != 200:
+                detail = (await resp.read())[:300].decode(errors="replace")
+                r.error, r.error_detail = f"http_{resp.status}", detail
+                return resp if resp.status == 429 else None
             done = False
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for raw in resp.content:
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = raw[5:].strip()
+                if data == b"[DONE]":
                     done = True
                     break
                 chunk = json.loads(data)
@@ -166,16 +169,16 @@ async def _attempt(http: httpx.AsyncClient, cfg: ClientConfig, body: dict, heade
             if not done:
                 r.error, r.error_detail = "incomplete", "the stream ended without data: [DONE]"
                 return None
-    except httpx.ConnectError as e:
-        r.error, r.error_detail = "connect", str(e) or type(e).__name__
+    except aiohttp.ClientConnectorError as e:
+        r.error, r.error_detail = "connect", str(e)
         return None
-    except httpx.TimeoutException as e:
+    except TimeoutError as e:  # aiohttp's timeouts are TimeoutErrors
         r.error, r.error_detail = "timeout", type(e).__name__
         return None
-    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
-        r.error, r.error_detail = "disconnect", str(e) or type(e).__name__
+    except aiohttp.ClientError as e:  # payload cut short, server disconnected, connection reset
+        r.error, r.error_detail = "disconnect", f"{type(e).__name__}: {e}"
         return None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         r.error, r.error_detail = "stream_error", f"an event is not JSON: {e}"
         return None
     r.e2e = time.perf_counter() - t0
@@ -184,7 +187,7 @@ async def _attempt(http: httpx.AsyncClient, cfg: ClientConfig, body: dict, heade
     return None
 
 
-async def send(http: httpx.AsyncClient, cfg: ClientConfig, r: RequestResult, prompt: str | None,
+async def send(http: aiohttp.ClientSession, cfg: ClientConfig, r: RequestResult, prompt: str | None,
                messages: list[dict] | None, max_tokens: int | None, api_key: str | None, t_run: float) -> RequestResult:
     """Send one request (retrying 429s as advised) and fill r."""
     body = build_body(cfg, prompt, messages, max_tokens)
@@ -209,11 +212,11 @@ async def send(http: httpx.AsyncClient, cfg: ClientConfig, r: RequestResult, pro
     return r
 
 
-def make_http_client(cfg: ClientConfig) -> httpx.AsyncClient:
-    timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
-    # Concurrency is the load shape's business: no pool limit of httpx's own may cap it.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(timeout=timeout, limits=limits)
+def make_http_client(cfg: ClientConfig) -> aiohttp.ClientSession:
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s, sock_connect=cfg.connect_timeout_s)
+    # Concurrency is the load shape's business: no connection limit of aiohttp's own may cap it.
+    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                 read_bufsize=2**20)  # one SSE event may be a long line
 
 
 async def preflight(base_url: str, api_key: str | None, model: str | None, timeout_s: float = 10.0) -> str:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import numpy as np
 
 from kvrelay.bench.client import ClientConfig, RequestResult, send
@@ -109,7 +109,7 @@ class Workload:
     seed: int = 0
 
 
-async def run_load(http: httpx.AsyncClient, work: Workload, shape: LoadShape, num_sessions: int | None,
+async def run_load(http: aiohttp.ClientSession, work: Workload, shape: LoadShape, num_sessions: int | None,
                    duration_s: float | None, on_done: Callable[[RequestResult], None] | None = None,
                    run: Run | None = None) -> Run:
     """Send sessions (cycling through the dataset) until num_sessions are sent or duration_s has
@@ -175,7 +175,7 @@ async def run_load(http: httpx.AsyncClient, work: Workload, shape: LoadShape, nu
     return run
 
 
-async def warm_up(http: httpx.AsyncClient, work: Workload, count: int, concurrency: int | None) -> list[RequestResult]:
+async def warm_up(http: aiohttp.ClientSession, work: Workload, count: int, concurrency: int | None) -> list[RequestResult]:
     """count requests that are not measured (first connections, lazy allocations, JIT)."""
     if count <= 0:
         return []

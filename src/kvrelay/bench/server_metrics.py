@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 RSS = ("process_resident_memory_bytes",)
@@ -70,13 +70,14 @@ class ServerMetrics:
     timeout_s: float = 5.0
     available: bool | None = None  # None: not tried yet
 
-    async def snapshot(self, http: httpx.AsyncClient) -> ServerSnapshot:
+    async def snapshot(self, http: aiohttp.ClientSession) -> ServerSnapshot:
         snap = ServerSnapshot()
         if self.url and self.available is not False:
             try:
-                resp = await http.get(self.url, timeout=self.timeout_s)
-                if resp.status_code == 200:
-                    samples = parse(resp.text)
+                async with http.get(self.url, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+                    status, text = resp.status, await resp.text()
+                if status == 200:
+                    samples = parse(text)
                     self.available = True
                     snap.rss_bytes = first(samples, RSS)
                     snap.kv_usage = first(samples, KV_USAGE)
@@ -86,7 +87,7 @@ class ServerMetrics:
                             snap.counters[key] = value
                 elif self.available is None:
                     self.available = False
-            except (httpx.HTTPError, ValueError):
+            except (aiohttp.ClientError, TimeoutError, ValueError):
                 if self.available is None:
                     self.available = False
         if self.pid:
@@ -112,7 +113,7 @@ class Sampler:
         if snap.kv_usage is not None:
             self.peak_kv_usage = max(self.peak_kv_usage or 0.0, snap.kv_usage)
 
-    async def start(self, http: httpx.AsyncClient) -> None:
+    async def start(self, http: aiohttp.ClientSession) -> None:
         self.before = await self.metrics.snapshot(http)
         self._absorb(self.before)
 
@@ -123,7 +124,7 @@ class Sampler:
 
         self._task = asyncio.create_task(loop())
 
-    async def stop(self, http: httpx.AsyncClient) -> None:
+    async def stop(self, http: aiohttp.ClientSession) -> None:
         if self._task:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -12,7 +12,7 @@ import asyncio
 import time
 from dataclasses import asdict, dataclass
 
-import httpx
+import aiohttp
 from rich.console import Console
 
 from kvrelay.bench.load import LoadShape, Run, Workload, run_load, warm_up
@@ -77,7 +77,7 @@ def _line(w: Window) -> str:
             f"E2E p99 {p99}{drift}, server RSS {rss}")
 
 
-async def run_soak(http: httpx.AsyncClient, work: Workload, shape: LoadShape, args, server: ServerMetrics,
+async def run_soak(http: aiohttp.ClientSession, work: Workload, shape: LoadShape, args, server: ServerMetrics,
                    slo: dict, console: Console, config: dict) -> int:
     await warm_up(http, work, args.warmup, shape.max_concurrency)
     console.print(f"soak: {shape.label()} for {args.soak:g} s, a report every {args.report_interval:g} s")
