@@ -26,7 +26,7 @@ ROWS = [  # (label, path into the run entry, scale, format)
     for stat in ("mean", "p50", "p99")
 ] + [
     ("server peak RSS (MiB)", ("server", "peak_rss_bytes"), 1 / 2**20, ".1f"),
-    ("server peak KV usage (%)", ("server", "peak_kv_usage"), 100, ".1f"),
+    ("server peak KV usage (%)", ("server", "peak_kv_usage"), 100, ".2f"),
     ("cost per 1M output tokens", ("summary", "cost_per_million_output_tokens"), 1, ".4f"),
 ]
 
@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=120)
     try:
         doc_a, doc_b = read_result(args.a), read_result(args.b)
     except ValueError as e:

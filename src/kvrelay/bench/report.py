@@ -58,7 +58,7 @@ def summary_table(summary: dict, server: dict, title: str) -> Table:
         t.add_row("advice too short (429 again) / gave up", f"{rl['advice_too_short']} / {rl['requests_given_up']}")
     t.add_row("server peak RSS", mib(server.get("peak_rss_bytes")))
     kv = server.get("peak_kv_usage")
-    t.add_row("server peak KV cache usage", "-" if kv is None else f"{kv * 100:.1f} %")
+    t.add_row("server peak KV cache usage", "-" if kv is None else f"{kv * 100:.2f} %")
     for key, value in server.get("counter_deltas", {}).items():
         t.add_row(f"server {key.replace('_', ' ')}", f"{value:g}")
     return t

@@ -213,7 +213,8 @@ async def bench_serve(args: argparse.Namespace, console: Console) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    # Piped into a file, rich would wrap the tables at 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=120)
     try:
         return asyncio.run(bench_serve(args, console))
     except ServerUnreachable as e:

@@ -31,13 +31,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="stop at EOS (default: every request generates its full length)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="time the engine's first steps too (default: one short request runs first, untimed)")
     p.add_argument("--result-file", default=None, help="JSON with the configuration and the figures")
 
 
-def measure(engine, prompts: list[list[int]], output_lens: list[int | None], temperature: float,
-            ignore_eos: bool) -> dict:
+def measure(engine, prompts: list[list[int]], output_lens: list[int | None], temperature: float = 0.0,
+            ignore_eos: bool = True, warmup: bool = True) -> dict:
+    """Add every request to the engine at once and step until all are done; tokens per second."""
     from kvrelay.engine.sampling_params import SamplingParams
 
+    if warmup:  # one short request first: the first steps build kernels and caches a server pays once
+        engine.add_request(prompts[0][:8], SamplingParams(max_tokens=2, temperature=0.0), "warmup")
+        while engine.has_work():
+            engine.step()
     start = time.perf_counter()
     for i, (ids, n) in enumerate(zip(prompts, output_lens)):
         engine.add_request(ids, SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=ignore_eos), str(i))
@@ -77,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             n = args.output_len or s.turns[0].output_len
             lens.append(None if n is None else max(1, min(n, engine.max_model_len - len(ids))))
             prompts.append(ids)
-        result = measure(engine, prompts, lens, args.temperature, args.ignore_eos)
+        result = measure(engine, prompts, lens, args.temperature, args.ignore_eos, args.warmup)
     except (ValueError, EngineError) as e:
         print(f"kvrelay bench throughput: {e}", file=sys.stderr)
         return 2
