@@ -43,8 +43,13 @@ class FakeState:
 
 
 def _chunk(text: str) -> bytes:
-    return b"data: " + json.dumps({"object": "text_completion", "choices": [
-        {"index": 0, "text": text, "finish_reason": None}]}).encode() + b"\n\n"
+    return (
+        b"data: "
+        + json.dumps(
+            {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": None}]}
+        ).encode()
+        + b"\n\n"
+    )
 
 
 def make_app(state: FakeState) -> Starlette:
@@ -56,9 +61,14 @@ def make_app(state: FakeState) -> Starlette:
         state.attempts[prompt] = state.attempts.get(prompt, 0) + 1
         if prompt == "error500":
             return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
-        if prompt == "ratelimit-always" or (prompt.startswith("ratelimit-once") and state.attempts[prompt] == 1):
-            return JSONResponse({"error": {"message": "slow down"}}, status_code=429,
-                                headers={"Retry-After": state.retry_after})
+        if prompt == "ratelimit-always" or (
+            prompt.startswith("ratelimit-once") and state.attempts[prompt] == 1
+        ):
+            return JSONResponse(
+                {"error": {"message": "slow down"}},
+                status_code=429,
+                headers={"Retry-After": state.retry_after},
+            )
 
         async def events():
             for i in range(n):
@@ -72,8 +82,16 @@ def make_app(state: FakeState) -> Starlette:
                 await asyncio.sleep(0.002)
             if prompt == "incomplete":
                 return
-            yield b"data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n,
-                                                                   "total_tokens": 3 + n}}).encode() + b"\n\n"
+            yield (
+                b"data: "
+                + json.dumps(
+                    {
+                        "choices": [],
+                        "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n},
+                    }
+                ).encode()
+                + b"\n\n"
+            )
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -85,11 +103,17 @@ def make_app(state: FakeState) -> Starlette:
         if not state.expose_metrics:
             return PlainTextResponse("not found", status_code=404)
         rss = state.base_rss + state.served * state.leak_bytes
-        return PlainTextResponse("# TYPE process_resident_memory_bytes gauge\n"
-                                 f"process_resident_memory_bytes {rss}\n")
+        return PlainTextResponse(
+            f"# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes {rss}\n"
+        )
 
-    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                             Route("/v1/models", models), Route("/metrics", metrics)])
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models),
+            Route("/metrics", metrics),
+        ]
+    )
 
 
 class FakeServer:
@@ -100,8 +124,11 @@ class FakeServer:
 
         self.state = state or FakeState()
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(make_app(self.state), host="127.0.0.1", port=self.port,
-                                                    log_level="critical", access_log=False))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                make_app(self.state), host="127.0.0.1", port=self.port, log_level="critical", access_log=False
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -147,8 +174,10 @@ def metric_sum(url: str, name: str) -> float:
 
 def max_overlap(requests: list[dict]) -> int:
     """Most requests in flight at once, from their recorded start and end."""
-    events = sorted([(r["start"], 1) for r in requests] + [(r["start"] + r["e2e"], -1) for r in requests],
-                    key=lambda e: (e[0], e[1]))
+    events = sorted(
+        [(r["start"], 1) for r in requests] + [(r["start"] + r["e2e"], -1) for r in requests],
+        key=lambda e: (e[0], e[1]),
+    )
     best = cur = 0
     for _, d in events:
         cur += d

@@ -27,10 +27,20 @@ def kvrelay_server(own_tmp):
     from kvrelay.gateway.tenants import hash_key
 
     tenants = own_tmp / "tenants.yaml"
-    tenants.write_text(yaml.safe_dump({"tenants": [
-        {"id": "alice", "api_keys_sha256": [hash_key(ALICE_KEY)]},
-        {"id": "bob", "api_keys_sha256": [hash_key(BOB_KEY)], "quotas": {"requests_per_minute": BOB_RPM}},
-    ]}))
+    tenants.write_text(
+        yaml.safe_dump(
+            {
+                "tenants": [
+                    {"id": "alice", "api_keys_sha256": [hash_key(ALICE_KEY)]},
+                    {
+                        "id": "bob",
+                        "api_keys_sha256": [hash_key(BOB_KEY)],
+                        "quotas": {"requests_per_minute": BOB_RPM},
+                    },
+                ]
+            }
+        )
+    )
     server = GatewayProcess(["--tenants", str(tenants)], own_tmp / "serve.log")
     yield server
     server.stop()

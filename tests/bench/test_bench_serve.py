@@ -15,8 +15,18 @@ TOKENIZER = str(BUNDLED_MODEL)
 
 def run_bench(server, tmp, *extra: str, name: str = "r.json") -> dict:
     out = tmp / name
-    rc = bench("serve", "--base-url", server.url, "--api-key", ALICE_KEY, "--ignore-eos", "--no-progress",
-               "--result-file", str(out), *extra)
+    rc = bench(
+        "serve",
+        "--base-url",
+        server.url,
+        "--api-key",
+        ALICE_KEY,
+        "--ignore-eos",
+        "--no-progress",
+        "--result-file",
+        str(out),
+        *extra,
+    )
     assert rc == 0
     return read_json(out)
 
@@ -41,8 +51,20 @@ def check_counts(doc: dict, expected_requests: int, expected_max_tokens: list[in
 
 
 def test_random_dataset_counts_and_tokenizer(kvrelay_server, tmp_path):
-    doc = run_bench(kvrelay_server, tmp_path, "--dataset", "random", "--num-prompts", "5", "--random-input-len",
-                    "12", "--random-output-len", "4", "--tokenizer", TOKENIZER)
+    doc = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--dataset",
+        "random",
+        "--num-prompts",
+        "5",
+        "--random-input-len",
+        "12",
+        "--random-output-len",
+        "4",
+        "--tokenizer",
+        TOKENIZER,
+    )
     reqs = check_counts(doc, 5, [4] * 5)
     for r in reqs:  # the client's tokenizer count is the server's
         assert r["prompt_tokens_client"] == r["prompt_tokens"]
@@ -50,20 +72,49 @@ def test_random_dataset_counts_and_tokenizer(kvrelay_server, tmp_path):
 
 
 def test_random_dataset_lengths_vary_within_the_range_ratio(kvrelay_server, tmp_path):
-    doc = run_bench(kvrelay_server, tmp_path, "--num-prompts", "8", "--random-input-len", "8",
-                    "--random-output-len", "6", "--random-range-ratio", "0.5")
+    doc = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--num-prompts",
+        "8",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "6",
+        "--random-range-ratio",
+        "0.5",
+    )
     reqs = check_counts(doc, 8, None)
     assert all(3 <= r["output_tokens"] <= 9 for r in reqs)
     assert len({r["output_tokens"] for r in reqs}) > 1
 
 
 def test_sharegpt_dataset(kvrelay_server, tmp_path):
-    data = [{"conversations": [{"from": "human", "value": f"Tell me a story about cat number {i}."},
-                               {"from": "gpt", "value": "Once upon a time there was a cat."}]} for i in range(3)]
+    data = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Tell me a story about cat number {i}."},
+                {"from": "gpt", "value": "Once upon a time there was a cat."},
+            ]
+        }
+        for i in range(3)
+    ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
-    doc = run_bench(kvrelay_server, tmp_path, "--dataset", "sharegpt", "--dataset-path", str(path),
-                    "--num-prompts", "4", "--sharegpt-output-len", "3", "--tokenizer", TOKENIZER)
+    doc = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--dataset",
+        "sharegpt",
+        "--dataset-path",
+        str(path),
+        "--num-prompts",
+        "4",
+        "--sharegpt-output-len",
+        "3",
+        "--tokenizer",
+        TOKENIZER,
+    )
     reqs = check_counts(doc, 4, [3] * 4)
     assert all(r["prompt_tokens_client"] == r["prompt_tokens"] for r in reqs)
 
@@ -73,26 +124,74 @@ def test_sharegpt_reply_lengths_come_from_the_recorded_replies(kvrelay_server, t
 
     reply = "Once upon a time there was a big red ball."
     path = tmp_path / "sharegpt.json"
-    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Tell me a story."},
-                                                   {"from": "gpt", "value": reply}]}]))
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "human", "value": "Tell me a story."},
+                        {"from": "gpt", "value": reply},
+                    ]
+                }
+            ]
+        )
+    )
     expected = len(Tokenizer(BUNDLED_MODEL).encode(reply, add_special_tokens=False))
-    doc = run_bench(kvrelay_server, tmp_path, "--dataset", "sharegpt", "--dataset-path", str(path),
-                    "--num-prompts", "2", "--tokenizer", TOKENIZER)
+    doc = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--dataset",
+        "sharegpt",
+        "--dataset-path",
+        str(path),
+        "--num-prompts",
+        "2",
+        "--tokenizer",
+        TOKENIZER,
+    )
     check_counts(doc, 2, [expected] * 2)
 
 
 def test_prefix_dataset_shares_system_prompts(kvrelay_server, tmp_path):
-    doc = run_bench(kvrelay_server, tmp_path, "--dataset", "prefix", "--num-prompts", "6",
-                    "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-prefix-len", "40",
-                    "--prefix-repetition-suffix-len", "6", "--prefix-repetition-output-len", "3",
-                    "--tokenizer", TOKENIZER)
+    doc = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--dataset",
+        "prefix",
+        "--num-prompts",
+        "6",
+        "--prefix-repetition-num-prefixes",
+        "2",
+        "--prefix-repetition-prefix-len",
+        "40",
+        "--prefix-repetition-suffix-len",
+        "6",
+        "--prefix-repetition-output-len",
+        "3",
+        "--tokenizer",
+        TOKENIZER,
+    )
     reqs = check_counts(doc, 6, [3] * 6)
     assert all(r["prompt_tokens"] > 40 for r in reqs)  # every prompt holds a 40-token prefix
 
 
 def test_conversation_dataset_resends_the_history(kvrelay_server, tmp_path):
-    doc = run_bench(kvrelay_server, tmp_path, "--dataset", "conversation", "--num-prompts", "2", "--num-turns", "3",
-                    "--turn-len", "6", "--turn-output-len", "3", "--tokenizer", TOKENIZER)
+    doc = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--dataset",
+        "conversation",
+        "--num-prompts",
+        "2",
+        "--num-turns",
+        "3",
+        "--turn-len",
+        "6",
+        "--turn-output-len",
+        "3",
+        "--tokenizer",
+        TOKENIZER,
+    )
     assert doc["config"]["endpoint"] == "/v1/chat/completions"  # the conversation dataset's default
     reqs = check_counts(doc, 6, [3] * 6)
     for session in (0, 1):
@@ -104,16 +203,44 @@ def test_conversation_dataset_resends_the_history(kvrelay_server, tmp_path):
 
 
 def test_jsonl_dataset_with_output_lengths(kvrelay_server, tmp_path):
-    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "The dog ran", "output_len": 2},
-                                                    {"prompt": "A girl named Lily", "output_len": 5}, "Once upon"])
-    doc = run_bench(kvrelay_server, tmp_path, "--dataset", "jsonl", "--dataset-path", path, "--num-prompts", "3",
-                    "--jsonl-output-len", "4")
+    path = write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [
+            {"prompt": "The dog ran", "output_len": 2},
+            {"prompt": "A girl named Lily", "output_len": 5},
+            "Once upon",
+        ],
+    )
+    doc = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--dataset",
+        "jsonl",
+        "--dataset-path",
+        path,
+        "--num-prompts",
+        "3",
+        "--jsonl-output-len",
+        "4",
+    )
     check_counts(doc, 3, [2, 5, 4])
 
 
 def test_concurrency_sweep_caps_requests_in_flight(kvrelay_server, tmp_path):
-    doc = run_bench(kvrelay_server, tmp_path, "--num-prompts", "6", "--random-input-len", "8",
-                    "--random-output-len", "8", "--max-concurrency", "1,3", "--plot", str(tmp_path / "p.png"))
+    doc = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "8",
+        "--max-concurrency",
+        "1,3",
+        "--plot",
+        str(tmp_path / "p.png"),
+    )
     assert [r["load"]["max_concurrency"] for r in doc["runs"]] == [1, 3]
     one, three = doc["runs"]
     assert len(one["requests"]) == len(three["requests"]) == 6
@@ -123,8 +250,22 @@ def test_concurrency_sweep_caps_requests_in_flight(kvrelay_server, tmp_path):
 
 
 def test_rate_sweep_with_bursty_arrivals(kvrelay_server, tmp_path):
-    doc = run_bench(kvrelay_server, tmp_path, "--num-prompts", "5", "--random-input-len", "8", "--random-output-len",
-                    "2", "--request-rate", "40,inf", "--burstiness", "0.5", "--slo", "ttft=60,tpot=60")
+    doc = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--num-prompts",
+        "5",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "2",
+        "--request-rate",
+        "40,inf",
+        "--burstiness",
+        "0.5",
+        "--slo",
+        "ttft=60,tpot=60",
+    )
     assert [r["load"]["request_rate"] for r in doc["runs"]] == [40.0, None]
     for run in doc["runs"]:
         s = run["summary"]
@@ -136,8 +277,20 @@ def test_rate_sweep_with_bursty_arrivals(kvrelay_server, tmp_path):
 
 def test_duration_and_warmup(kvrelay_server, tmp_path):
     before = metric_sum(kvrelay_server.url, "kvrelay:request_success_total")
-    doc = run_bench(kvrelay_server, tmp_path, "--duration", "1s", "--request-rate", "8", "--random-input-len", "8",
-                    "--random-output-len", "2", "--warmup", "2")
+    doc = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--duration",
+        "1s",
+        "--request-rate",
+        "8",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "2",
+        "--warmup",
+        "2",
+    )
     (run,) = doc["runs"]
     n = len(run["requests"])
     assert n >= 1 and run["summary"]["completed"] == n
@@ -146,11 +299,46 @@ def test_duration_and_warmup(kvrelay_server, tmp_path):
     assert run["server"]["counter_deltas"]["requests_finished"] == n
 
 
+def test_duration_with_a_concurrency_limit_keeps_no_backlog(kvrelay_server, tmp_path):
+    doc = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--duration",
+        "1s",
+        "--max-concurrency",
+        "2",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "2",
+    )
+    reqs = doc["runs"][0]["requests"]
+    assert max_overlap(reqs) <= 2
+    # Sessions wait for a slot before they are created: none queue up to run after the deadline.
+    assert sum(1 for r in reqs if r["start"] > 1.0) <= 2
+    assert doc["runs"][0]["server"]["counter_deltas"]["requests_finished"] == len(reqs)
+
+
 def test_tenant_mix_reports_quota_429s_per_tenant(kvrelay_server, tmp_path):
     rejections = metric_sum(kvrelay_server.url, "kvrelay:quota_rejections_total")
-    doc = run_bench(kvrelay_server, tmp_path, "--num-prompts", "12", "--random-input-len", "6",
-                    "--random-output-len", "2", "--max-concurrency", "2", "--tenant", f"alice:{ALICE_KEY}:1",
-                    "--tenant", f"bob:{BOB_KEY}:3", "--max-retries-429", "0")
+    doc = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--num-prompts",
+        "12",
+        "--random-input-len",
+        "6",
+        "--random-output-len",
+        "2",
+        "--max-concurrency",
+        "2",
+        "--tenant",
+        f"alice:{ALICE_KEY}:1",
+        "--tenant",
+        f"bob:{BOB_KEY}:3",
+        "--max-retries-429",
+        "0",
+    )
     assert ALICE_KEY not in json.dumps(doc) and BOB_KEY not in json.dumps(doc)  # keys never reach the file
     (run,) = doc["runs"]
     s = run["summary"]
@@ -162,7 +350,9 @@ def test_tenant_mix_reports_quota_429s_per_tenant(kvrelay_server, tmp_path):
     assert alice["completed"] == alice["requests"] == len(by_tenant["alice"])
     rl = s["rate_limits"]
     assert rl["responses_429"] == rl["with_retry_after"] == rl["requests_given_up"] == bob["responses_429"]
-    assert metric_sum(kvrelay_server.url, "kvrelay:quota_rejections_total") - rejections == rl["responses_429"]
+    assert (
+        metric_sum(kvrelay_server.url, "kvrelay:quota_rejections_total") - rejections == rl["responses_429"]
+    )
 
 
 def test_plot_and_compare(kvrelay_server, tmp_path, capsys):
@@ -172,21 +362,46 @@ def test_plot_and_compare(kvrelay_server, tmp_path, capsys):
     from kvrelay.bench.plot import PANELS
 
     png = tmp_path / "plot.png"
-    a = run_bench(kvrelay_server, tmp_path, "--num-prompts", "4", "--random-input-len", "8", "--random-output-len",
-                  "3", "--max-concurrency", "1,2", "--plot", str(png), name="a.json")
+    a = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--num-prompts",
+        "4",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "3",
+        "--max-concurrency",
+        "1,2",
+        "--plot",
+        str(png),
+        name="a.json",
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with Image.open(png) as img:
         img.verify()
     with Image.open(png) as img:
         assert img.size[0] > 500 and img.size[1] > 400
         assert img.info["Panels"].split("; ") == list(PANELS)
-    b = run_bench(kvrelay_server, tmp_path, "--num-prompts", "4", "--random-input-len", "8", "--random-output-len",
-                  "6", "--max-concurrency", "1,2", name="b.json")
+    b = run_bench(
+        kvrelay_server,
+        tmp_path,
+        "--num-prompts",
+        "4",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "6",
+        "--max-concurrency",
+        "1,2",
+        name="b.json",
+    )
     capsys.readouterr()
     assert bench("compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")) == 0
     out = capsys.readouterr().out
     assert "output throughput" in out and "B/A" in out and "TTFT p99" in out
     r = ratios(a["runs"][0], b["runs"][0])
     assert r["completed"] == 1.0
-    assert r["TTFT p99 (ms)"] == pytest.approx(b["runs"][0]["summary"]["ttft_s"]["p99"] /
-                                               a["runs"][0]["summary"]["ttft_s"]["p99"])
+    assert r["TTFT p99 (ms)"] == pytest.approx(
+        b["runs"][0]["summary"]["ttft_s"]["p99"] / a["runs"][0]["summary"]["ttft_s"]["p99"]
+    )

@@ -18,9 +18,22 @@ from kvrelay.bench.stats import distribution, parse_slo, summarize
 
 
 def rec(i, ttft, e2e, out, itl, error=None, status=200, **kw) -> RequestResult:
-    r = RequestResult(index=i, session=i, turn=0, tenant=kw.pop("tenant", None), start=0.0, status=status,
-                      error=error, ttft=ttft, e2e=e2e, itl=itl, prompt_tokens=10 if not error else None,
-                      output_tokens=out, usage_reported=not error, **kw)
+    r = RequestResult(
+        index=i,
+        session=i,
+        turn=0,
+        tenant=kw.pop("tenant", None),
+        start=0.0,
+        status=status,
+        error=error,
+        ttft=ttft,
+        e2e=e2e,
+        itl=itl,
+        prompt_tokens=10 if not error else None,
+        output_tokens=out,
+        usage_reported=not error,
+        **kw,
+    )
     return r
 
 
@@ -41,8 +54,9 @@ def test_summary_of_a_recorded_trace():
     assert s["output_throughput"] == pytest.approx(9.0)
     assert s["total_token_throughput"] == pytest.approx(29.0)
     # TTFT 0.1 0.2 0.3 0.4, linear interpolation: p90 at rank 2.7 -> 0.3 + 0.7 * 0.1
-    assert s["ttft_s"] == pytest.approx({"mean": 0.25, "p50": 0.25, "p90": 0.37, "p95": 0.385, "p99": 0.397,
-                                         "max": 0.4})
+    assert s["ttft_s"] == pytest.approx(
+        {"mean": 0.25, "p50": 0.25, "p90": 0.37, "p95": 0.385, "p99": 0.397, "max": 0.4}
+    )
     # E2E 0.4 0.5 0.7 1.0: p50 at rank 1.5 -> 0.6; p99 at rank 2.97 -> 0.7 + 0.97 * 0.3
     assert s["e2e_s"]["mean"] == pytest.approx(0.65)
     assert s["e2e_s"]["p50"] == pytest.approx(0.6)
@@ -72,13 +86,21 @@ def test_goodput_on_end_to_end_latency_and_empty_distributions():
 
 
 def test_rate_limit_accounting():
-    retried = rec(0, 0.1, 2.0, 3, [0.1, 0.1], rate_limited=2, retry_after=[1.0, None], retries_after_wait=2,
-                  attempts=3)
-    gave_up = rec(1, None, None, None, [], error="http_429", status=429, rate_limited=1, retry_after=[3.0],
-                  attempts=1)
+    retried = rec(
+        0, 0.1, 2.0, 3, [0.1, 0.1], rate_limited=2, retry_after=[1.0, None], retries_after_wait=2, attempts=3
+    )
+    gave_up = rec(
+        1, None, None, None, [], error="http_429", status=429, rate_limited=1, retry_after=[3.0], attempts=1
+    )
     rl = summarize([retried, gave_up], 1.0)["rate_limits"]
-    assert rl == {"responses_429": 3, "with_retry_after": 2, "retries_after_wait": 2, "retries_that_succeeded": 1,
-                  "advice_too_short": 1, "requests_given_up": 1}
+    assert rl == {
+        "responses_429": 3,
+        "with_retry_after": 2,
+        "retries_after_wait": 2,
+        "retries_that_succeeded": 1,
+        "advice_too_short": 1,
+        "requests_given_up": 1,
+    }
 
 
 @pytest.mark.parametrize("burstiness, cv", [(1.0, 1.0), (0.25, 2.0), (4.0, 0.5)])
@@ -116,15 +138,17 @@ def test_soak_verdict():
 
 
 def test_datasets_are_seeded_and_shaped(tmp_path):
-    cfg = datasets.DatasetConfig(name="random", num_prompts=6, random_input_len=10, random_output_len=4,
-                                 random_range_ratio=0.5, seed=3)
+    cfg = datasets.DatasetConfig(
+        name="random", num_prompts=6, random_input_len=10, random_output_len=4, random_range_ratio=0.5, seed=3
+    )
     a, b = datasets.load_dataset(cfg), datasets.load_dataset(cfg)
     assert [s.turns[0].text for s in a] == [s.turns[0].text for s in b]
     assert all(5 <= len(s.turns[0].text.split()) <= 15 and 2 <= s.turns[0].output_len <= 6 for s in a)
     cfg.seed = 4
     assert [s.turns[0].text for s in datasets.load_dataset(cfg)] != [s.turns[0].text for s in a]
-    prefix = datasets.load_dataset(datasets.DatasetConfig(name="prefix", num_prompts=9, num_prefixes=3,
-                                                          prefix_len=5, suffix_len=2))
+    prefix = datasets.load_dataset(
+        datasets.DatasetConfig(name="prefix", num_prompts=9, num_prefixes=3, prefix_len=5, suffix_len=2)
+    )
     systems = [s.system for s in prefix]
     assert len(set(systems)) == 3 and all(systems.count(x) == 3 for x in set(systems))
     convo = datasets.load_dataset(datasets.DatasetConfig(name="conversation", num_prompts=2, num_turns=4))
@@ -140,14 +164,26 @@ def test_dataset_files_are_checked(tmp_path):
         datasets.load_dataset(datasets.DatasetConfig(name="jsonl", num_prompts=1))
     lines = tmp_path / "p.jsonl"
     lines.write_text('{"prompt": "hi"}\n{"text": "no prompt"}\n')
-    with pytest.raises(ValueError, match="record 2: needs a non-empty string \"prompt\""):
+    with pytest.raises(ValueError, match='record 2: needs a non-empty string "prompt"'):
         datasets.load_dataset(datasets.DatasetConfig(name="jsonl", path=str(lines), num_prompts=1))
 
 
 def test_offline_throughput(tmp_path, capsys):
     out = tmp_path / "t.json"
-    assert bench("throughput", "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "5",
-                 "--result-file", str(out)) == 0
+    assert (
+        bench(
+            "throughput",
+            "--num-prompts",
+            "4",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "5",
+            "--result-file",
+            str(out),
+        )
+        == 0
+    )
     r = read_json(out)["result"]
     assert r["requests"] == r["finished"] == 4 and r["output_tokens"] == 20
     assert r["output_throughput"] == pytest.approx(20 / r["elapsed_s"])

@@ -101,9 +101,15 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def build_body(cfg: ClientConfig, prompt: str | None, messages: list[dict] | None, max_tokens: int | None) -> dict:
-    body: dict = {"model": cfg.model, "stream": True, "stream_options": {"include_usage": True},
-                  "temperature": cfg.temperature}
+def build_body(
+    cfg: ClientConfig, prompt: str | None, messages: list[dict] | None, max_tokens: int | None
+) -> dict:
+    body: dict = {
+        "model": cfg.model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": cfg.temperature,
+    }
     if cfg.chat:
         body["messages"] = messages
     else:
@@ -126,8 +132,9 @@ def _increment_text(chunk: dict) -> str:
     return text
 
 
-async def _attempt(http: aiohttp.ClientSession, cfg: ClientConfig, body: dict, headers: dict, r: RequestResult,
-                   t0: float) -> aiohttp.ClientResponse | None:
+async def _attempt(
+    http: aiohttp.ClientSession, cfg: ClientConfig, body: dict, headers: dict, r: RequestResult, t0: float
+) -> aiohttp.ClientResponse | None:
     """One attempt; fills r's timings. Returns the response only when it is a 429."""
     r.attempts += 1
     last = None
@@ -187,8 +194,16 @@ async def _attempt(http: aiohttp.ClientSession, cfg: ClientConfig, body: dict, h
     return None
 
 
-async def send(http: aiohttp.ClientSession, cfg: ClientConfig, r: RequestResult, prompt: str | None,
-               messages: list[dict] | None, max_tokens: int | None, api_key: str | None, t_run: float) -> RequestResult:
+async def send(
+    http: aiohttp.ClientSession,
+    cfg: ClientConfig,
+    r: RequestResult,
+    prompt: str | None,
+    messages: list[dict] | None,
+    max_tokens: int | None,
+    api_key: str | None,
+    t_run: float,
+) -> RequestResult:
     """Send one request (retrying 429s as advised) and fill r."""
     body = build_body(cfg, prompt, messages, max_tokens)
     key = api_key or cfg.api_key
@@ -215,8 +230,9 @@ async def send(http: aiohttp.ClientSession, cfg: ClientConfig, r: RequestResult,
 def make_http_client(cfg: ClientConfig) -> aiohttp.ClientSession:
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s, sock_connect=cfg.connect_timeout_s)
     # Concurrency is the load shape's business: no connection limit of aiohttp's own may cap it.
-    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
-                                 read_bufsize=2**20)  # one SSE event may be a long line
+    return aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0), read_bufsize=2**20
+    )  # one SSE event may be a long line
 
 
 async def preflight(base_url: str, api_key: str | None, model: str | None, timeout_s: float = 10.0) -> str:
@@ -228,8 +244,10 @@ async def preflight(base_url: str, api_key: str | None, model: str | None, timeo
         try:
             resp = await http.get(url, headers=headers)
         except httpx.ConnectError as e:
-            raise ServerUnreachable(f"cannot connect to {base_url}: {e or 'connection refused'}; is the server "
-                                    "running, and is --base-url right?") from e
+            raise ServerUnreachable(
+                f"cannot connect to {base_url}: {e or 'connection refused'}; is the server "
+                "running, and is --base-url right?"
+            ) from e
         except httpx.TimeoutException as e:
             raise ServerUnreachable(f"{url} did not answer within {timeout_s:g} s") from e
         except httpx.HTTPError as e:

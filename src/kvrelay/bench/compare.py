@@ -14,21 +14,25 @@ from rich.table import Table
 
 from kvrelay.bench.report import read_result
 
-ROWS = [  # (label, path into the run entry, scale, format)
-    ("completed", ("summary", "completed"), 1, "d"),
-    ("failed", ("summary", "failed"), 1, "d"),
-    ("request throughput (req/s)", ("summary", "request_throughput"), 1, ".2f"),
-    ("output throughput (tok/s)", ("summary", "output_throughput"), 1, ".1f"),
-    ("goodput (req/s)", ("summary", "goodput"), 1, ".2f"),
-] + [
-    (f"{name} {stat} (ms)", ("summary", key, stat), 1000, ".2f")
-    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
-    for stat in ("mean", "p50", "p99")
-] + [
-    ("server peak RSS (MiB)", ("server", "peak_rss_bytes"), 1 / 2**20, ".1f"),
-    ("server peak KV usage (%)", ("server", "peak_kv_usage"), 100, ".2f"),
-    ("cost per 1M output tokens", ("summary", "cost_per_million_output_tokens"), 1, ".4f"),
-]
+ROWS = (
+    [  # (label, path into the run entry, scale, format)
+        ("completed", ("summary", "completed"), 1, "d"),
+        ("failed", ("summary", "failed"), 1, "d"),
+        ("request throughput (req/s)", ("summary", "request_throughput"), 1, ".2f"),
+        ("output throughput (tok/s)", ("summary", "output_throughput"), 1, ".1f"),
+        ("goodput (req/s)", ("summary", "goodput"), 1, ".2f"),
+    ]
+    + [
+        (f"{name} {stat} (ms)", ("summary", key, stat), 1000, ".2f")
+        for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
+        for stat in ("mean", "p50", "p99")
+    ]
+    + [
+        ("server peak RSS (MiB)", ("server", "peak_rss_bytes"), 1 / 2**20, ".1f"),
+        ("server peak KV usage (%)", ("server", "peak_kv_usage"), 100, ".2f"),
+        ("cost per 1M output tokens", ("summary", "cost_per_million_output_tokens"), 1, ".4f"),
+    ]
+)
 
 
 def pick(entry: dict, path: tuple) -> float | None:
@@ -79,8 +83,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     runs_a, runs_b = doc_a["runs"], doc_b["runs"]
     if len(runs_a) != len(runs_b):
-        console.print(f"[yellow]{args.a} has {len(runs_a)} load levels, {args.b} {len(runs_b)}: "
-                      f"comparing the first {min(len(runs_a), len(runs_b))}[/]")
+        console.print(
+            f"[yellow]{args.a} has {len(runs_a)} load levels, {args.b} {len(runs_b)}: "
+            f"comparing the first {min(len(runs_a), len(runs_b))}[/]"
+        )
     for a, b in zip(runs_a, runs_b):
         la, lb = a["load"]["label"], b["load"]["label"]
         title = la if la == lb else f"{la} vs {lb}"

@@ -19,15 +19,14 @@ DATASETS = ("random", "sharegpt", "prefix", "conversation", "jsonl")
 
 # Without a tokenizer, synthetic text is drawn from plain words (about one token each for
 # English tokenizers); the true counts then come from the server's usage.
-WORDS = (
-    "the", "a", "cat", "dog", "sun", "tree", "house", "river", "bird", "little", "big", "happy", "sad",
-    "girl", "boy", "mom", "dad", "friend", "play", "run", "jump", "see", "look", "find", "ball", "red",
-    "blue", "green", "small", "tall", "day", "night", "park", "sky", "rain", "snow", "cake", "milk",
-    "book", "toy", "car", "walk", "talk", "smile", "laugh", "sing", "song", "star", "moon", "fish", "boat",
-    "hill", "road", "door", "window", "garden", "flower", "cloud", "wind", "went", "saw", "said", "was",
-    "had", "one", "two", "three", "very", "good", "new", "old", "warm", "cold", "fast", "slow", "kind",
-    "brave", "quiet", "loud",
-)
+_WORD_TEXT = """
+the a cat dog sun tree house river bird little big happy sad girl boy mom dad friend play run
+jump see look find ball red blue green small tall day night park sky rain snow cake milk book
+toy car walk talk smile laugh sing song star moon fish boat hill road door window garden flower
+cloud wind went saw said was had one two three very good new old warm cold fast slow kind brave
+quiet loud
+"""
+WORDS = tuple(_WORD_TEXT.split())
 
 
 @dataclass
@@ -68,37 +67,71 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     d = DatasetConfig()
     g = parser.add_argument_group("dataset")
     g.add_argument("--dataset", "--dataset-name", dest="dataset", default=d.name, choices=DATASETS)
-    g.add_argument("--dataset-path", default=None, help="local file of the sharegpt/jsonl/conversation dataset")
-    g.add_argument("--num-prompts", type=int, default=None,
-                   help=f"requests to send (conversation: sessions); default {d.num_prompts}, or unlimited "
-                        "with --duration")
+    g.add_argument(
+        "--dataset-path", default=None, help="local file of the sharegpt/jsonl/conversation dataset"
+    )
+    g.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help=f"requests to send (conversation: sessions); default {d.num_prompts}, or unlimited "
+        "with --duration",
+    )
     g.add_argument("--seed", type=int, default=d.seed, help="seed of lengths, texts, arrivals and tenants")
     g.add_argument("--random-input-len", type=int, default=d.random_input_len)
     g.add_argument("--random-output-len", type=int, default=d.random_output_len)
-    g.add_argument("--random-range-ratio", type=float, default=d.random_range_ratio,
-                   help="lengths uniform in [len*(1-r), len*(1+r)]")
-    g.add_argument("--sharegpt-output-len", type=int, default=None,
-                   help="max_tokens of every sharegpt request (default: the recorded reply's length)")
+    g.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=d.random_range_ratio,
+        help="lengths uniform in [len*(1-r), len*(1+r)]",
+    )
+    g.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="max_tokens of every sharegpt request (default: the recorded reply's length)",
+    )
     g.add_argument("--prefix-repetition-prefix-len", dest="prefix_len", type=int, default=d.prefix_len)
     g.add_argument("--prefix-repetition-suffix-len", dest="suffix_len", type=int, default=d.suffix_len)
     g.add_argument("--prefix-repetition-num-prefixes", dest="num_prefixes", type=int, default=d.num_prefixes)
-    g.add_argument("--prefix-repetition-output-len", dest="prefix_output_len", type=int,
-                   default=d.prefix_output_len)
+    g.add_argument(
+        "--prefix-repetition-output-len", dest="prefix_output_len", type=int, default=d.prefix_output_len
+    )
     g.add_argument("--num-turns", type=int, default=d.num_turns, help="conversation: turns per session")
-    g.add_argument("--turn-len", type=int, default=d.turn_len, help="conversation: words per synthetic user turn")
-    g.add_argument("--turn-output-len", type=int, default=d.turn_output_len, help="conversation: max_tokens per turn")
-    g.add_argument("--jsonl-output-len", type=int, default=d.jsonl_output_len,
-                   help="jsonl: max_tokens of lines that give no output_len")
+    g.add_argument(
+        "--turn-len", type=int, default=d.turn_len, help="conversation: words per synthetic user turn"
+    )
+    g.add_argument(
+        "--turn-output-len", type=int, default=d.turn_output_len, help="conversation: max_tokens per turn"
+    )
+    g.add_argument(
+        "--jsonl-output-len",
+        type=int,
+        default=d.jsonl_output_len,
+        help="jsonl: max_tokens of lines that give no output_len",
+    )
 
 
 def config_from_args(args: argparse.Namespace, num_prompts: int) -> DatasetConfig:
     return DatasetConfig(
-        name=args.dataset, path=args.dataset_path, num_prompts=num_prompts, seed=args.seed,
-        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-        random_range_ratio=args.random_range_ratio, sharegpt_output_len=args.sharegpt_output_len,
-        prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
-        prefix_output_len=args.prefix_output_len, num_turns=args.num_turns, turn_len=args.turn_len,
-        turn_output_len=args.turn_output_len, jsonl_output_len=args.jsonl_output_len)
+        name=args.dataset,
+        path=args.dataset_path,
+        num_prompts=num_prompts,
+        seed=args.seed,
+        random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio,
+        sharegpt_output_len=args.sharegpt_output_len,
+        prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len,
+        num_prefixes=args.num_prefixes,
+        prefix_output_len=args.prefix_output_len,
+        num_turns=args.num_turns,
+        turn_len=args.turn_len,
+        turn_output_len=args.turn_output_len,
+        jsonl_output_len=args.jsonl_output_len,
+    )
 
 
 class TextMaker:
@@ -110,8 +143,11 @@ class TextMaker:
         if tokenizer is not None:
             special = set(tokenizer.special_ids) | {tokenizer.bos_token_id, tokenizer.eos_token_id}
             # Word-like ids decode to text that re-encodes to about as many ids.
-            self.ids = [i for i in range(tokenizer.vocab_size) if i not in special
-                        and (tokenizer.id_to_token(i) or "").lstrip("▁Ġ").isalpha()]
+            self.ids = [
+                i
+                for i in range(tokenizer.vocab_size)
+                if i not in special and (tokenizer.id_to_token(i) or "").lstrip("▁Ġ").isalpha()
+            ]
 
     def make(self, length: int) -> str:
         if self.tok is None:
@@ -133,9 +169,17 @@ def _lengths(rng: random.Random, mean: int, ratio: float) -> int:
 
 
 def _random(cfg: DatasetConfig, text: TextMaker, rng: random.Random) -> list[Session]:
-    return [Session([Turn(text.make(_lengths(rng, cfg.random_input_len, cfg.random_range_ratio)),
-                          _lengths(rng, cfg.random_output_len, cfg.random_range_ratio))])
-            for _ in range(cfg.num_prompts)]
+    return [
+        Session(
+            [
+                Turn(
+                    text.make(_lengths(rng, cfg.random_input_len, cfg.random_range_ratio)),
+                    _lengths(rng, cfg.random_output_len, cfg.random_range_ratio),
+                )
+            ]
+        )
+        for _ in range(cfg.num_prompts)
+    ]
 
 
 def _prefix(cfg: DatasetConfig, text: TextMaker, rng: random.Random) -> list[Session]:
@@ -143,8 +187,10 @@ def _prefix(cfg: DatasetConfig, text: TextMaker, rng: random.Random) -> list[Ses
     if cfg.num_prefixes < 1:
         raise ValueError("--prefix-repetition-num-prefixes: must be at least 1")
     prefixes = [text.make(cfg.prefix_len) for _ in range(cfg.num_prefixes)]
-    sessions = [Session([Turn(text.make(cfg.suffix_len), cfg.prefix_output_len)], system=prefixes[i % len(prefixes)])
-                for i in range(cfg.num_prompts)]
+    sessions = [
+        Session([Turn(text.make(cfg.suffix_len), cfg.prefix_output_len)], system=prefixes[i % len(prefixes)])
+        for i in range(cfg.num_prompts)
+    ]
     rng.shuffle(sessions)
     return sessions
 
@@ -197,8 +243,10 @@ def _reply_len(tokenizer, reply: str | None, override: int | None) -> int | None
 def _sharegpt(cfg: DatasetConfig, tokenizer, rng: random.Random) -> list[Session]:
     records = [r for r in _read_records(cfg.path, "sharegpt") if _sharegpt_turns(r)]
     if not records:
-        raise ValueError(f"--dataset-path: {cfg.path} holds no ShareGPT conversation with a human turn "
-                         '(expected [{"conversations": [{"from": "human", "value": ...}, ...]}])')
+        raise ValueError(
+            f"--dataset-path: {cfg.path} holds no ShareGPT conversation with a human turn "
+            '(expected [{"conversations": [{"from": "human", "value": ...}, ...]}])'
+        )
     rng.shuffle(records)
     sessions = []
     for i in range(cfg.num_prompts):
@@ -213,10 +261,19 @@ def _conversation(cfg: DatasetConfig, text: TextMaker, tokenizer, rng: random.Ra
         convos = [t for t in map(_sharegpt_turns, _read_records(cfg.path, "conversation")) if t]
         if not convos:
             raise ValueError(f"--dataset-path: {cfg.path} holds no ShareGPT conversation with a human turn")
-        return [Session([Turn(q, _reply_len(tokenizer, a, cfg.turn_output_len)) for q, a in
-                         convos[i % len(convos)][: cfg.num_turns]]) for i in range(cfg.num_prompts)]
-    return [Session([Turn(text.make(cfg.turn_len), cfg.turn_output_len) for _ in range(cfg.num_turns)])
-            for _ in range(cfg.num_prompts)]
+        return [
+            Session(
+                [
+                    Turn(q, _reply_len(tokenizer, a, cfg.turn_output_len))
+                    for q, a in convos[i % len(convos)][: cfg.num_turns]
+                ]
+            )
+            for i in range(cfg.num_prompts)
+        ]
+    return [
+        Session([Turn(text.make(cfg.turn_len), cfg.turn_output_len) for _ in range(cfg.num_turns)])
+        for _ in range(cfg.num_prompts)
+    ]
 
 
 def _jsonl(cfg: DatasetConfig) -> list[Session]:
@@ -227,7 +284,7 @@ def _jsonl(cfg: DatasetConfig) -> list[Session]:
             rec = {"prompt": rec}
         prompt = rec.get("prompt") if isinstance(rec, dict) else None
         if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"--dataset-path: {cfg.path} record {n}: needs a non-empty string \"prompt\"")
+            raise ValueError(f'--dataset-path: {cfg.path} record {n}: needs a non-empty string "prompt"')
         out = rec.get("output_len", rec.get("max_tokens", cfg.jsonl_output_len))
         if not isinstance(out, int) or out < 1:
             raise ValueError(f"--dataset-path: {cfg.path} record {n}: output_len must be a positive integer")

@@ -68,7 +68,9 @@ def arrival_gaps(shape: LoadShape, rng: np.random.Generator):
             yield float(rng.gamma(shape.burstiness, theta))
 
 
-def render(session: Session, turn: int, history: list[dict], chat: bool) -> tuple[str | None, list[dict] | None]:
+def render(
+    session: Session, turn: int, history: list[dict], chat: bool
+) -> tuple[str | None, list[dict] | None]:
     """(prompt, messages) of a session's turn: chat messages, or the same as plain text."""
     messages = ([{"role": "system", "content": session.system}] if session.system else []) + history
     messages.append({"role": "user", "content": session.turns[turn].text})
@@ -109,9 +111,15 @@ class Workload:
     seed: int = 0
 
 
-async def run_load(http: aiohttp.ClientSession, work: Workload, shape: LoadShape, num_sessions: int | None,
-                   duration_s: float | None, on_done: Callable[[RequestResult], None] | None = None,
-                   run: Run | None = None) -> Run:
+async def run_load(
+    http: aiohttp.ClientSession,
+    work: Workload,
+    shape: LoadShape,
+    num_sessions: int | None,
+    duration_s: float | None,
+    on_done: Callable[[RequestResult], None] | None = None,
+    run: Run | None = None,
+) -> Run:
     """Send sessions (cycling through the dataset) until num_sessions are sent or duration_s has
     passed, then wait for the requests in flight. Results are appended to run.results as they end."""
     run = run or Run(shape)
@@ -126,24 +134,43 @@ async def run_load(http: aiohttp.ClientSession, work: Workload, shape: LoadShape
     def in_time() -> bool:
         return deadline is None or time.perf_counter() < deadline
 
-    async def one(session: Session) -> None:
-        tenant = work.tenants[tenant_rng.choice(len(work.tenants), p=weights / weights.sum())] \
-            if work.tenants else None
+    if deadline is not None and math.isinf(shape.request_rate) and limit is None:
+        raise ValueError(
+            "--duration/--soak: give a finite --request-rate or a --max-concurrency; "
+            "an infinite rate with no limit would start sessions without end"
+        )
+
+    async def one(session: Session, tenant: Tenant | None) -> None:
+        """The session's turns in order (with a limit, the first turn's slot is already taken)."""
         history: list[dict] = []
         for turn in range(len(session.turns)):
             if turn and not in_time():
                 return
             prompt, messages = render(session, turn, history, work.client.chat)
-            r = RequestResult(index=next(counter), session=session.index, turn=turn,
-                              tenant=tenant.name if tenant else None, start=0.0)
+            r = RequestResult(
+                index=next(counter),
+                session=session.index,
+                turn=turn,
+                tenant=tenant.name if tenant else None,
+                start=0.0,
+            )
             r.prompt_tokens_client = count_tokens(work.tokenizer, prompt, messages)
-            if limit:
-                async with limit:
-                    await send(http, work.client, r, prompt, messages, session.turns[turn].output_len,
-                               tenant.api_key if tenant else None, run.started)
-            else:
-                await send(http, work.client, r, prompt, messages, session.turns[turn].output_len,
-                           tenant.api_key if tenant else None, run.started)
+            if limit and turn:
+                await limit.acquire()
+            try:
+                await send(
+                    http,
+                    work.client,
+                    r,
+                    prompt,
+                    messages,
+                    session.turns[turn].output_len,
+                    tenant.api_key if tenant else None,
+                    run.started,
+                )
+            finally:
+                if limit:
+                    limit.release()
             if r.prompt_tokens is None:
                 r.prompt_tokens = r.prompt_tokens_client
             run.results.append(r)
@@ -151,8 +178,10 @@ async def run_load(http: aiohttp.ClientSession, work: Workload, shape: LoadShape
                 on_done(r)
             if not r.ok:
                 return  # a conversation cannot go on without the reply
-            history += [{"role": "user", "content": session.turns[turn].text},
-                        {"role": "assistant", "content": r.text}]
+            history += [
+                {"role": "user", "content": session.turns[turn].text},
+                {"role": "assistant", "content": r.text},
+            ]
 
     tasks = []
     gaps = arrival_gaps(shape, rng)
@@ -161,10 +190,24 @@ async def run_load(http: aiohttp.ClientSession, work: Workload, shape: LoadShape
     while (num_sessions is None or i < num_sessions) and in_time():
         delay = next_at - time.perf_counter()
         if delay > 0:
-            await asyncio.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.perf_counter())))
+            await asyncio.sleep(
+                delay if deadline is None else min(delay, max(0.0, deadline - time.perf_counter()))
+            )
             if not in_time():
                 break
-        tasks.append(asyncio.create_task(one(work.sessions[i % len(work.sessions)])))
+        if limit:
+            # An arrival waits here for a free slot (the requests go out in the same order and at
+            # the same moments as with a queue of waiting tasks, without an unbounded backlog).
+            await limit.acquire()
+            if not in_time():
+                limit.release()
+                break
+        tenant = (
+            work.tenants[tenant_rng.choice(len(work.tenants), p=weights / weights.sum())]
+            if work.tenants
+            else None
+        )
+        tasks.append(asyncio.create_task(one(work.sessions[i % len(work.sessions)], tenant)))
         run.sent += 1
         i += 1
         next_at += next(gaps)
@@ -175,7 +218,9 @@ async def run_load(http: aiohttp.ClientSession, work: Workload, shape: LoadShape
     return run
 
 
-async def warm_up(http: aiohttp.ClientSession, work: Workload, count: int, concurrency: int | None) -> list[RequestResult]:
+async def warm_up(
+    http: aiohttp.ClientSession, work: Workload, count: int, concurrency: int | None
+) -> list[RequestResult]:
     """count requests that are not measured (first connections, lazy allocations, JIT)."""
     if count <= 0:
         return []

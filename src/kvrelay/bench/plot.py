@@ -31,12 +31,20 @@ def plot_runs(entries: list[dict], path: str) -> list[str]:
     except ImportError as e:
         raise ValueError("--plot needs matplotlib: pip install 'kvrelay[bench]'") from e
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for ax, (key, title) in zip(axes.flat[:3], (("ttft", PANELS[0]), ("tpot", PANELS[1]), ("e2e", PANELS[2]))):
+    for ax, (key, title) in zip(
+        axes.flat[:3], (("ttft", PANELS[0]), ("tpot", PANELS[1]), ("e2e", PANELS[2]))
+    ):
         for e in entries:
-            values = np.sort([r[key] for r in e["requests"] if r.get(key) is not None and r.get("error") is None])
+            values = np.sort(
+                [r[key] for r in e["requests"] if r.get(key) is not None and r.get("error") is None]
+            )
             if values.size:
-                ax.step(values * 1000, np.arange(1, values.size + 1) / values.size, where="post",
-                        label=e["load"]["label"])
+                ax.step(
+                    values * 1000,
+                    np.arange(1, values.size + 1) / values.size,
+                    where="post",
+                    label=e["load"]["label"],
+                )
         ax.set_title(title)
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of requests")

@@ -16,12 +16,23 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 RSS = ("process_resident_memory_bytes",)
-KV_USAGE = ("kvrelay:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
-            "sglang:token_usage")
+KV_USAGE = (
+    "kvrelay:kv_cache_usage_perc",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "sglang:token_usage",
+)
 COUNTERS = {  # what the delta means -> sample names, summed over labels
-    "generation_tokens": ("kvrelay:generation_tokens_total", "vllm:generation_tokens_total",
-                          "sglang:generation_tokens_total"),
-    "prompt_tokens": ("kvrelay:prompt_tokens_total", "vllm:prompt_tokens_total", "sglang:prompt_tokens_total"),
+    "generation_tokens": (
+        "kvrelay:generation_tokens_total",
+        "vllm:generation_tokens_total",
+        "sglang:generation_tokens_total",
+    ),
+    "prompt_tokens": (
+        "kvrelay:prompt_tokens_total",
+        "vllm:prompt_tokens_total",
+        "sglang:prompt_tokens_total",
+    ),
     "requests_finished": ("kvrelay:request_success_total", "vllm:request_success_total"),
 }
 
@@ -138,8 +149,12 @@ class Sampler:
             for key, value in self.after.counters.items():
                 # A labelled counter has no sample before its first increment: it was 0.
                 deltas[key] = value - self.before.counters.get(key, 0.0)
-        return {"metrics_exposed": bool(self.metrics.available), "peak_rss_bytes": self.peak_rss_bytes,
-                "peak_kv_usage": self.peak_kv_usage, "counter_deltas": deltas}
+        return {
+            "metrics_exposed": bool(self.metrics.available),
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "peak_kv_usage": self.peak_kv_usage,
+            "counter_deltas": deltas,
+        }
 
 
 def metrics_url(base_url: str, override: str | None) -> str:

@@ -43,8 +43,9 @@ class Verdict:
         return not self.failures
 
 
-def judge(windows: list[Window], total: int, failed: int, max_error_rate: float | None,
-          max_rss_growth: float | None) -> Verdict:
+def judge(
+    windows: list[Window], total: int, failed: int, max_error_rate: float | None, max_rss_growth: float | None
+) -> Verdict:
     error_rate = failed / total if total else 1.0
     rss = [w.rss_bytes for w in windows if w.rss_bytes is not None]
     growth = (rss[-1] - rss[0]) / rss[0] if len(rss) >= 2 and rss[0] else None
@@ -55,8 +56,10 @@ def judge(windows: list[Window], total: int, failed: int, max_error_rate: float 
         failures.append(f"error rate {error_rate:.2%} > --max-error-rate {max_error_rate:.2%}")
     if max_rss_growth is not None:
         if growth is None:
-            failures.append("--max-rss-growth: the server's RSS was not seen twice (no process_resident_memory_bytes "
-                            "in its /metrics; give --server-pid for a local server)")
+            failures.append(
+                "--max-rss-growth: the server's RSS was not seen twice (no process_resident_memory_bytes "
+                "in its /metrics; give --server-pid for a local server)"
+            )
         elif growth > max_rss_growth:
             failures.append(f"server RSS grew {growth:.1%} > --max-rss-growth {max_rss_growth:.1%}")
     return Verdict(error_rate, growth, failures)
@@ -73,12 +76,22 @@ def _line(w: Window) -> str:
     p99 = "-" if w.e2e_p99_s is None else f"{w.e2e_p99_s * 1000:.1f} ms"
     drift = "" if w.p99_drift is None else f" ({w.p99_drift:+.1%})"
     rss = "-" if w.rss_bytes is None else f"{w.rss_bytes / 2**20:.1f} MiB"
-    return (f"soak {w.t_s:7.1f} s: {w.requests} requests, {w.errors} errors ({w.error_rate:.1%}), "
-            f"E2E p99 {p99}{drift}, server RSS {rss}")
+    return (
+        f"soak {w.t_s:7.1f} s: {w.requests} requests, {w.errors} errors ({w.error_rate:.1%}), "
+        f"E2E p99 {p99}{drift}, server RSS {rss}"
+    )
 
 
-async def run_soak(http: aiohttp.ClientSession, work: Workload, shape: LoadShape, args, server: ServerMetrics,
-                   slo: dict, console: Console, config: dict) -> int:
+async def run_soak(
+    http: aiohttp.ClientSession,
+    work: Workload,
+    shape: LoadShape,
+    args,
+    server: ServerMetrics,
+    slo: dict,
+    console: Console,
+    config: dict,
+) -> int:
     await warm_up(http, work, args.warmup, shape.max_concurrency)
     console.print(f"soak: {shape.label()} for {args.soak:g} s, a report every {args.report_interval:g} s")
     run = Run(shape)
@@ -101,13 +114,32 @@ async def run_soak(http: aiohttp.ClientSession, work: Workload, shape: LoadShape
     summary = summarize(run.results, run.duration_s, slo, args.cost_per_hour)
     verdict = judge(windows, summary["requests"], summary["failed"], args.max_error_rate, args.max_rss_growth)
     rss_peak = max((w.rss_bytes for w in windows if w.rss_bytes is not None), default=None)
-    e = entry(run, summary, {"metrics_exposed": bool(server.available), "peak_rss_bytes": rss_peak,
-                             "peak_kv_usage": None, "counter_deltas": {}})
+    e = entry(
+        run,
+        summary,
+        {
+            "metrics_exposed": bool(server.available),
+            "peak_rss_bytes": rss_peak,
+            "peak_kv_usage": None,
+            "counter_deltas": {},
+        },
+    )
     print_entry(console, e)
     growth = "-" if verdict.rss_growth is None else f"{verdict.rss_growth:+.1%}"
-    console.print(f"soak: error rate {verdict.error_rate:.2%}, server RSS growth {growth}: "
-                  + ("[green]PASS[/]" if verdict.passed else "[red]FAIL[/]: " + "; ".join(verdict.failures)))
+    console.print(
+        f"soak: error rate {verdict.error_rate:.2%}, server RSS growth {growth}: "
+        + ("[green]PASS[/]" if verdict.passed else "[red]FAIL[/]: " + "; ".join(verdict.failures))
+    )
     if args.result_file:
-        write_result(args.result_file, config, [e], {"soak": {"windows": [asdict(w) for w in windows],
-                                                              "verdict": asdict(verdict) | {"passed": verdict.passed}}})
+        write_result(
+            args.result_file,
+            config,
+            [e],
+            {
+                "soak": {
+                    "windows": [asdict(w) for w in windows],
+                    "verdict": asdict(verdict) | {"passed": verdict.passed},
+                }
+            },
+        )
     return 0 if verdict.passed else 1

@@ -38,7 +38,9 @@ def parse_slo(text: str | None) -> dict[str, float]:
         key, sep, value = part.partition("=")
         key = key.strip().lower()
         if not sep or key not in SLO_KEYS:
-            raise ValueError(f"--slo {text!r}: expected KEY=SECONDS[,...] with KEY one of {', '.join(SLO_KEYS)}")
+            raise ValueError(
+                f"--slo {text!r}: expected KEY=SECONDS[,...] with KEY one of {', '.join(SLO_KEYS)}"
+            )
         try:
             slo[key] = float(value)
         except ValueError:
@@ -61,13 +63,22 @@ def rate_limit_summary(results: list[RequestResult]) -> dict:
     # Every 429 after the first one answered a retry sent after the advised wait: too short.
     too_short = sum(max(0, r.rate_limited - 1) for r in results)
     succeeded = sum(1 for r in results if r.retries_after_wait and r.ok)
-    return {"responses_429": answers, "with_retry_after": advised, "retries_after_wait": retried,
-            "retries_that_succeeded": succeeded, "advice_too_short": too_short,
-            "requests_given_up": sum(1 for r in results if r.error == "http_429")}
+    return {
+        "responses_429": answers,
+        "with_retry_after": advised,
+        "retries_after_wait": retried,
+        "retries_that_succeeded": succeeded,
+        "advice_too_short": too_short,
+        "requests_given_up": sum(1 for r in results if r.error == "http_429"),
+    }
 
 
-def summarize(results: list[RequestResult], duration_s: float, slo: dict[str, float] | None = None,
-              cost_per_hour: float | None = None) -> dict:
+def summarize(
+    results: list[RequestResult],
+    duration_s: float,
+    slo: dict[str, float] | None = None,
+    cost_per_hour: float | None = None,
+) -> dict:
     ok = [r for r in results if r.ok]
     duration_s = max(duration_s, 1e-9)
     out_tokens = sum(r.output_tokens or 0 for r in ok)
@@ -103,15 +114,20 @@ def summarize(results: list[RequestResult], duration_s: float, slo: dict[str, fl
         summary["cost_per_million_output_tokens"] = cost_per_hour * duration_s / 3600 / out_tokens * 1e6
     tenants = sorted({r.tenant for r in results if r.tenant is not None})
     if tenants:
-        summary["tenants"] = {t: _tenant_summary([r for r in results if r.tenant == t], duration_s) for t in tenants}
+        summary["tenants"] = {
+            t: _tenant_summary([r for r in results if r.tenant == t], duration_s) for t in tenants
+        }
     return summary
 
 
 def _tenant_summary(results: list[RequestResult], duration_s: float) -> dict:
     ok = [r for r in results if r.ok]
-    return {"requests": len(results), "completed": len(ok),
-            "output_throughput": sum(r.output_tokens or 0 for r in ok) / duration_s,
-            "responses_429": sum(r.rate_limited for r in results),
-            "errors": dict(Counter(r.error for r in results if r.error)),
-            "ttft_p99_s": distribution(r.ttft for r in ok)["p99"],
-            "e2e_p99_s": distribution(r.e2e for r in ok)["p99"]}
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "output_throughput": sum(r.output_tokens or 0 for r in ok) / duration_s,
+        "responses_429": sum(r.rate_limited for r in results),
+        "errors": dict(Counter(r.error for r in results if r.error)),
+        "ttft_p99_s": distribution(r.ttft for r in ok)["p99"],
+        "e2e_p99_s": distribution(r.e2e for r in ok)["p99"],
+    }

@@ -26,18 +26,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p)
     datasets.add_dataset_arguments(p)
     p.add_argument("--input-len", type=int, default=None, help="same as --random-input-len")
-    p.add_argument("--output-len", type=int, default=None,
-                   help="max_tokens of every request (default: the dataset's lengths)")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="max_tokens of every request (default: the dataset's lengths)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="stop at EOS (default: every request generates its full length)")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="time the engine's first steps too (default: one short request runs first, untimed)")
+    p.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="stop at EOS (default: every request generates its full length)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="time the engine's first steps too (default: one short request runs first, untimed)",
+    )
     p.add_argument("--result-file", default=None, help="JSON with the configuration and the figures")
 
 
-def measure(engine, prompts: list[list[int]], output_lens: list[int | None], temperature: float = 0.0,
-            ignore_eos: bool = True, warmup: bool = True) -> dict:
+def measure(
+    engine,
+    prompts: list[list[int]],
+    output_lens: list[int | None],
+    temperature: float = 0.0,
+    ignore_eos: bool = True,
+    warmup: bool = True,
+) -> dict:
     """Add every request to the engine at once and step until all are done; tokens per second."""
     from kvrelay.engine.sampling_params import SamplingParams
 
@@ -47,7 +65,9 @@ def measure(engine, prompts: list[list[int]], output_lens: list[int | None], tem
             engine.step()
     start = time.perf_counter()
     for i, (ids, n) in enumerate(zip(prompts, output_lens)):
-        engine.add_request(ids, SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=ignore_eos), str(i))
+        engine.add_request(
+            ids, SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=ignore_eos), str(i)
+        )
     generated = finished = 0
     while engine.has_work():
         for out in engine.step():
@@ -55,11 +75,17 @@ def measure(engine, prompts: list[list[int]], output_lens: list[int | None], tem
             finished += bool(out.finished)
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(p) for p in prompts)
-    return {"requests": len(prompts), "finished": finished, "elapsed_s": elapsed, "prompt_tokens": prompt_tokens,
-            "output_tokens": generated, "request_throughput": len(prompts) / elapsed,
-            "total_token_throughput": (prompt_tokens + generated) / elapsed,
-            "output_throughput": generated / elapsed,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {
+        "requests": len(prompts),
+        "finished": finished,
+        "elapsed_s": elapsed,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": generated,
+        "request_throughput": len(prompts) / elapsed,
+        "total_token_throughput": (prompt_tokens + generated) / elapsed,
+        "output_throughput": generated / elapsed,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,8 +94,10 @@ def run(args: argparse.Namespace) -> int:
     from kvrelay.engine.llm_engine import LLMEngine
 
     if args.dataset == "conversation":
-        print("kvrelay bench throughput: --dataset conversation needs a server's replies; use bench serve",
-              file=sys.stderr)
+        print(
+            "kvrelay bench throughput: --dataset conversation needs a server's replies; use bench serve",
+            file=sys.stderr,
+        )
         return 2
     if args.input_len is not None:
         args.random_input_len = args.input_len
@@ -88,13 +116,17 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, EngineError) as e:
         print(f"kvrelay bench throughput: {e}", file=sys.stderr)
         return 2
-    print(f"Throughput: {result['request_throughput']:.2f} requests/s, "
-          f"{result['total_token_throughput']:.2f} total tokens/s, {result['output_throughput']:.2f} output tokens/s")
+    print(
+        f"Throughput: {result['request_throughput']:.2f} requests/s, "
+        f"{result['total_token_throughput']:.2f} total tokens/s, "
+        f"{result['output_throughput']:.2f} output tokens/s"
+    )
     print(f"Total num prompt tokens:  {result['prompt_tokens']}")
     print(f"Total num output tokens:  {result['output_tokens']}")
     print(f"Elapsed: {result['elapsed_s']:.2f} s, peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB")
     if args.result_file:
         config = {k: v for k, v in vars(args).items() if k not in ("bench_run", "bench_command", "command")}
-        Path(args.result_file).write_text(json.dumps({"tool": "kvrelay bench throughput", "config": config,
-                                                      "result": result}, indent=1))
+        Path(args.result_file).write_text(
+            json.dumps({"tool": "kvrelay bench throughput", "config": config, "result": result}, indent=1)
+        )
     return 0
