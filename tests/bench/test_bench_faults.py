@@ -193,8 +193,10 @@ def test_soak_gate_trips_on_a_leaking_server(fake, tmp_path, capsys):
 
 def test_soak_gate_passes_on_a_steady_server(fake, tmp_path):
     server = fake(leak_bytes=0)
-    rc, doc = soak(server, tmp_path, "--max-rss-growth", "20%")
+    rc, doc = soak(server, tmp_path, "--max-rss-growth", "20%", "--plot", str(tmp_path / "soak.png"))
     assert rc == 0
+    assert (tmp_path / "soak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert doc["runs"][0]["server"]["peak_rss_bytes"] == server.state.base_rss
     verdict = doc["soak"]["verdict"]
     assert verdict["passed"] is True and verdict["rss_growth"] == 0.0 and verdict["error_rate"] == 0.0
     assert sum(w["requests"] for w in doc["soak"]["windows"]) == doc["runs"][0]["summary"]["requests"]

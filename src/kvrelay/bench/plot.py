@@ -22,14 +22,20 @@ def _load_x(entries: list[dict]) -> tuple[list[float], str]:
     return [r if r is not None else top for r in rates], "request rate (req/s; inf drawn last)"
 
 
-def plot_runs(entries: list[dict], path: str) -> list[str]:
+def check_matplotlib() -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError as e:
         raise ValueError("--plot needs matplotlib: pip install 'kvrelay[bench]'") from e
+
+
+def plot_runs(entries: list[dict], path: str) -> list[str]:
+    check_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for ax, (key, title) in zip(
         axes.flat[:3], (("ttft", PANELS[0]), ("tpot", PANELS[1]), ("e2e", PANELS[2]))

@@ -242,6 +242,10 @@ class LiveProgress:
 async def bench_serve(args: argparse.Namespace, console: Console) -> int:
     if args.tokenizer is None and args.model and (Path(args.model) / "tokenizer.json").is_file():
         args.tokenizer = args.model
+    if args.plot:  # before the run, not after it
+        from kvrelay.bench.plot import check_matplotlib
+
+        check_matplotlib()
     tokenizer = datasets.load_tokenizer(args.tokenizer)
     tenants = [parse_tenant(t) for t in args.tenant]
     model = await preflight(args.base_url, tenants[0].api_key if tenants else args.api_key, args.model)

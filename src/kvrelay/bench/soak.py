@@ -17,7 +17,7 @@ from rich.console import Console
 
 from kvrelay.bench.load import LoadShape, Run, Workload, run_load, warm_up
 from kvrelay.bench.report import entry, print_entry, write_result
-from kvrelay.bench.server_metrics import ServerMetrics
+from kvrelay.bench.server_metrics import Sampler, ServerMetrics
 from kvrelay.bench.stats import distribution, summarize
 
 
@@ -95,6 +95,8 @@ async def run_soak(
     await warm_up(http, work, args.warmup, shape.max_concurrency)
     console.print(f"soak: {shape.label()} for {args.soak:g} s, a report every {args.report_interval:g} s")
     run = Run(shape)
+    sampler = Sampler(server, args.metrics_interval)  # peaks and counter deltas over the whole soak
+    await sampler.start(http)
     task = asyncio.create_task(run_load(http, work, shape, None, args.soak, None, run))
     windows: list[Window] = []
     seen = 0
@@ -111,19 +113,10 @@ async def run_soak(
         if done:
             break
     task.result()
+    await sampler.stop(http)
     summary = summarize(run.results, run.duration_s, slo, args.cost_per_hour)
     verdict = judge(windows, summary["requests"], summary["failed"], args.max_error_rate, args.max_rss_growth)
-    rss_peak = max((w.rss_bytes for w in windows if w.rss_bytes is not None), default=None)
-    e = entry(
-        run,
-        summary,
-        {
-            "metrics_exposed": bool(server.available),
-            "peak_rss_bytes": rss_peak,
-            "peak_kv_usage": None,
-            "counter_deltas": {},
-        },
-    )
+    e = entry(run, summary, sampler.summary())
     print_entry(console, e)
     growth = "-" if verdict.rss_growth is None else f"{verdict.rss_growth:+.1%}"
     console.print(
@@ -142,4 +135,8 @@ async def run_soak(
                 }
             },
         )
+    if args.plot:
+        from kvrelay.bench.plot import plot_runs
+
+        plot_runs([e], args.plot)
     return 0 if verdict.passed else 1
