@@ -188,3 +188,16 @@ def test_offline_throughput(tmp_path, capsys):
     assert r["requests"] == r["finished"] == 4 and r["output_tokens"] == 20
     assert r["output_throughput"] == pytest.approx(20 / r["elapsed_s"])
     assert "Throughput:" in capsys.readouterr().out
+
+
+def test_render_chat_and_plain_prompts():
+    from kvrelay.bench.datasets import Session, Turn
+    from kvrelay.bench.load import render
+
+    s = Session([Turn("hello", 2), Turn("more", 2)], system="be brief")
+    history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    assert render(s, 0, [], chat=False) == ("be brief\nhello", None)
+    prompt, messages = render(s, 1, history, chat=True)
+    assert prompt is None and [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    prompt, _ = render(s, 1, history, chat=False)  # a conversation on /v1/completions: a transcript
+    assert prompt == "system: be brief\nuser: hello\nassistant: hi\nuser: more\nassistant:"
