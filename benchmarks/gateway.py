@@ -7,10 +7,11 @@ are doing) and alternate between two paths onto the SAME engine, so both see the
 engine load and CPU contention:
 
   direct   AsyncEngine.generate() on the gateway's engine, no HTTP, issued in this process;
-  gateway  POST /v1/completions with stream=true over loopback HTTP/SSE, one connection per
-           request, from a minimal raw-socket client in a child process (a real client never
-           shares the gateway's process; in-process, the client's own socket reads ran on the
-           gateway's event loop and held the GIL against the engine: --in-process-client).
+  gateway  POST /v1/completions with stream=true over loopback HTTP/SSE, timed by the client of
+           `kvrelay bench` (kvrelay.bench.client: httpx, keep-alive connections) in a child
+           process (a real client never shares the gateway's process; in-process, the client's
+           own socket reads ran on the gateway's event loop and held the GIL against the
+           engine: --in-process-client).
 
 With --cluster it measures the cluster role instead: a prefill worker, a decode worker and
 `kvrelay gateway` run as separate processes (the bundled model), and this process is the
@@ -19,8 +20,9 @@ client of both paths:
   direct   DecodeClient.generate() over gRPC to the decode worker, prefilled on the prefill worker;
   gateway  the same request as HTTP/SSE through the gateway, which routes it to the same pair.
 
-It prints p50/p99 of time to first token and end-to-end time per path, and the added
-latency (gateway percentile minus direct percentile).  Target: p50 <= 3 ms and p99 <= 10 ms added.
+It prints p50/p99 of time to first token and end-to-end time per path (kvrelay.bench.stats: the
+same percentiles as `kvrelay bench serve`), and the added latency (gateway percentile minus
+direct percentile).  Target: p50 <= 3 ms and p99 <= 10 ms added.
 
     .venv/bin/python benchmarks/gateway.py [--rate 20] [--requests 200] [--max-tokens 16] [--redis-url URL]
 """
@@ -32,7 +34,6 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,12 +42,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import free_port, stop_process
 
+from kvrelay.bench.client import ClientConfig, RequestResult, make_http_client, send
+from kvrelay.bench.stats import distribution
+
 PROMPT = "Once upon a time, there was a little girl named Lily. She"
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
 async def open_loop(rate: float, count: int, one, start: float | None = None, parity: int | None = None) -> list:
@@ -77,35 +76,18 @@ def write_tenants(folder: str) -> str:
     return tenants
 
 
-def http_request(port: int, max_tokens: int) -> bytes:
-    body = {"model": "stories260K", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    payload = json.dumps(body).encode()
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer bench-key\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-            ).encode() + payload
+def client_config(port: int) -> ClientConfig:
+    return ClientConfig(base_url=f"http://127.0.0.1:{port}", model="stories260K", api_key="bench-key",
+                        ignore_eos=True, max_retries_429=0)
 
 
-async def stream_once(port: int, request: bytes) -> tuple[float, float]:
-    """(TTFT, end-to-end) of one streamed request, read by a minimal HTTP/1.1 client on a raw
-    connection (httpx's own parsing would otherwise be billed to the gateway). The first
-    `data: {` event carries the first token."""
-    t0 = time.perf_counter()
-    ttft = None
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(request)
-    buffered = b""
-    while True:
-        data = await reader.read(65536)
-        if not data:
-            raise RuntimeError(f"gateway closed the stream early: {buffered[:300]!r}")
-        if ttft is None and b"data: {" in data:
-            ttft = time.perf_counter() - t0
-        buffered = buffered[-16:] + data
-        if b"data: [DONE]" in buffered:
-            break
-    writer.close()
-    return ttft, time.perf_counter() - t0
+async def stream_once(http, cfg: ClientConfig, max_tokens: int) -> tuple[float, float]:
+    """(TTFT, end-to-end) of one streamed request, timed by `kvrelay bench`'s client."""
+    r = RequestResult(index=0, session=0, turn=0, tenant=None, start=0.0)
+    await send(http, cfg, r, PROMPT, None, max_tokens, None, time.perf_counter())
+    if not r.ok:
+        raise RuntimeError(f"gateway request failed: {r.error}: {r.error_detail}")
+    return r.ttft, r.e2e
 
 
 async def time_outputs(outputs) -> tuple[float, float]:
@@ -120,14 +102,15 @@ async def time_outputs(outputs) -> tuple[float, float]:
 
 async def client_process(args) -> None:
     """Child: warm up, then the gateway half (odd i) of the open-loop schedule; prints results."""
-    request = http_request(args.client_port, args.max_tokens)
-    for _ in range(5):
-        await stream_once(args.client_port, request)
+    cfg = client_config(args.client_port)
+    async with make_http_client(cfg) as http:
+        for _ in range(5):
+            await stream_once(http, cfg, args.max_tokens)
 
-    async def one(i: int):
-        return await stream_once(args.client_port, request)
+        async def one(i: int):
+            return await stream_once(http, cfg, args.max_tokens)
 
-    print(json.dumps(await open_loop(args.rate, args.requests, one, start=args.start, parity=1)), flush=True)
+        print(json.dumps(await open_loop(args.rate, args.requests, one, start=args.start, parity=1)), flush=True)
 
 
 async def run_interleaved(args, folder: str) -> tuple[list, list]:
@@ -151,14 +134,15 @@ async def run_interleaved(args, folder: str) -> tuple[list, list]:
         await asyncio.sleep(0.01)
     engine = gateway.backend.engine
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    request = http_request(port, args.max_tokens)
+    cfg = client_config(port)
+    http = make_http_client(cfg)
     direct, via = [], []
 
     async def one_direct(i: int):
         direct.append(await time_outputs(engine.generate(PROMPT, params, f"direct-{i}")))
 
     async def one_gateway(i: int):
-        via.append(await stream_once(port, request))
+        via.append(await stream_once(http, cfg, args.max_tokens))
 
     async def one(i: int):
         await (one_gateway(i) if i % 2 else one_direct(i))
@@ -182,6 +166,7 @@ async def run_interleaved(args, folder: str) -> tuple[list, list]:
         if child.returncode:
             raise RuntimeError(f"client process failed with exit code {child.returncode}")
         via = [tuple(r) for r in json.loads(out.decode().strip().splitlines()[-1])]
+    await http.close()
     server.should_exit = True
     await serve
     return direct, via
@@ -243,12 +228,13 @@ async def run_cluster(args, folder: str) -> tuple[list, list]:
                 raise RuntimeError("the gateway never became ready")
         client = DecodeClient(decode_addr)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        request = http_request(port, args.max_tokens)
+        cfg = client_config(port)
+        http = make_http_client(cfg)
         direct, via = [], []
 
         async def one(i: int):
             if i % 2:
-                via.append(await stream_once(port, request))
+                via.append(await stream_once(http, cfg, args.max_tokens))
             else:
                 direct.append(await time_outputs(client.generate(PROMPT, params, prefill_addr=prefill_addr)))
 
@@ -258,6 +244,7 @@ async def run_cluster(args, folder: str) -> tuple[list, list]:
         via.clear()
         await open_loop(args.rate, args.requests, one)
         await client.close()
+        await http.close()
         return direct, via
     finally:
         for proc in reversed(procs):
@@ -265,11 +252,11 @@ async def run_cluster(args, folder: str) -> tuple[list, list]:
 
 
 def summary(name: str, results: list[tuple[float, float]]) -> dict[str, float]:
-    ttft = [r[0] * 1000 for r in results]
-    e2e = [r[1] * 1000 for r in results]
-    row = {"ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "e2e_p50": pct(e2e, 50), "e2e_p99": pct(e2e, 99)}
+    ttft = distribution(r[0] * 1000 for r in results)
+    e2e = distribution(r[1] * 1000 for r in results)
+    row = {"ttft_p50": ttft["p50"], "ttft_p99": ttft["p99"], "e2e_p50": e2e["p50"], "e2e_p99": e2e["p99"]}
     print(f"{name:8s} TTFT p50 {row['ttft_p50']:7.2f} ms  p99 {row['ttft_p99']:7.2f} ms   "
-          f"e2e p50 {row['e2e_p50']:7.2f} ms  p99 {row['e2e_p99']:7.2f} ms   (mean e2e {statistics.mean(e2e):.2f})")
+          f"e2e p50 {row['e2e_p50']:7.2f} ms  p99 {row['e2e_p99']:7.2f} ms   (mean e2e {e2e['mean']:.2f})")
     return row
 
 

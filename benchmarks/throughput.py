@@ -25,18 +25,15 @@ from common import LLAMA_30M, make_model_dir, peak_rss_mib, workload
 
 
 def run_kvrelay(model_dir: str, reqs) -> dict:
+    """`kvrelay bench throughput`'s measurement, without its warm-up (the HF baselines get none)."""
     from kvrelay.engine.engine_args import EngineArgs
     from kvrelay.engine.llm_engine import LLMEngine
-    from kvrelay.engine.sampling_params import SamplingParams
+
+    from kvrelay.bench.throughput import measure
 
     engine = LLMEngine(EngineArgs(model=model_dir, kv_cache_memory=2 * 2**30, max_num_batched_tokens=2048))
-    start = time.perf_counter()
-    for i, (ids, n) in enumerate(reqs):
-        engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), str(i))
-    generated = 0
-    while engine.has_work():
-        generated += sum(len(o.new_token_ids) for o in engine.step())
-    return {"tokens": generated, "seconds": time.perf_counter() - start}
+    r = measure(engine, [ids for ids, _ in reqs], [n for _, n in reqs], warmup=False)
+    return {"tokens": r["output_tokens"], "seconds": r["elapsed_s"]}
 
 
 def _hf_model(model_dir: str):

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("kvrelay.prefill.cli", "prefill worker: computes prompts' KV cache and hands it to decode workers"),
     "decode": ("kvrelay.decode.cli", "decode worker: pulls prefilled KV blocks over gRPC and generates tokens"),
     "operator": ("kvrelay.operator.cli", "run the Kubernetes operator for InferenceService resources"),
+    "bench": ("kvrelay.bench.cli", "benchmark any OpenAI-compatible server, or the engine offline"),
 }
 
 
