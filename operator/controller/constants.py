@@ -10,6 +10,9 @@ GROUP = "kvrelay.dev"
 VERSION = "v1alpha1"
 PLURAL = "inferenceservices"
 KIND = "InferenceService"
+# `kubectl get kvisvc`. Not `isvc`: KServe's InferenceService owns that short name, and clusters
+# often run both (kubectl would then pick one of the two kinds for `isvc`).
+SHORT_NAME = "kvisvc"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 FIELD_MANAGER = "kvrelay-operator"  # server-side apply of the children

@@ -40,6 +40,10 @@ def object_path(api_version: str, kind: str, namespace: str, name: str) -> str:
     return f"{collection.format(namespace=namespace)}/{name}"
 
 
+def peering_path(name: str) -> str:
+    return f"/apis/kopf.dev/v1/clusterkopfpeerings/{name}"
+
+
 def path_of(obj: Mapping[str, Any]) -> str:
     meta = obj["metadata"]
     return object_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])

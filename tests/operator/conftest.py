@@ -26,7 +26,7 @@ def kmock_options() -> dict[str, Any]:
 @pytest.fixture()
 async def cluster(kmock: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
     kmock.resources[ISVC] = kmock.ResourceInfo(
-        kind=c.KIND, singular="inferenceservice", namespaced=True, shortnames={"isvc"},
+        kind=c.KIND, singular="inferenceservice", namespaced=True, shortnames={c.SHORT_NAME},
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"}, subresources={"status"})
     kmock.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False,
                                                            verbs={"get", "list", "watch"})
