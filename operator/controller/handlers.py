@@ -94,9 +94,10 @@ def needs_apply(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
     return not is_subset(desired["metadata"]["annotations"], live.get("metadata", {}).get("annotations") or {})
 
 
-async def apply_children(client: KubeClient, owner: Owner, spec: InferenceServiceSpec,
-                         config: OperatorConfig) -> dict[str, dict[str, Any] | None]:
-    """Bring every child to its desired state; returns the live Deployments by role."""
+async def apply_children(client: KubeClient, owner: Owner, spec: InferenceServiceSpec, config: OperatorConfig,
+                         applied: list[str] | None = None) -> dict[str, dict[str, Any] | None]:
+    """Bring every child to its desired state; returns the live Deployments by role and adds
+    "Kind name" of each child it wrote to `applied`."""
     deployment_paths = {role: object_path("apps/v1", "Deployment", owner.namespace, f"{owner.name}-{role}")
                         for role in c.ROLES}
     deployments = {role: await client.get(path) for role, path in deployment_paths.items()}
@@ -107,9 +108,11 @@ async def apply_children(client: KubeClient, owner: Owner, spec: InferenceServic
         live = deployments[role] if desired["kind"] == "Deployment" else await client.get(path)
         if needs_apply(desired, live):
             client.logger.info(f"applying {desired['kind']} {desired['metadata']['name']}")
-            applied = await client.apply(desired)
+            live = await client.apply(desired)
+            if applied is not None:
+                applied.append(f"{desired['kind']} {desired['metadata']['name']}")
             if desired["kind"] == "Deployment":
-                deployments[role] = applied
+                deployments[role] = live
     return deployments
 
 
@@ -137,7 +140,12 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, client: KubeClient, autosc
     async with lock:
         try:
             spec = parse_spec(body.get("spec"), owner.name)
-            deployments = await apply_children(client, owner, spec, memo.config)
+            applied: list[str] = []
+            try:
+                deployments = await apply_children(client, owner, spec, memo.config, applied)
+            finally:
+                if applied:  # created, rolled out or repaired: visible in `kubectl describe`
+                    kopf.info(body, reason="Applied", message="applied " + ", ".join(applied))
         except InvalidSpec as e:
             if await write_status(client, body, invalid_status(body, e)):
                 kopf.warn(body, reason="InvalidSpec", message=str(e))
