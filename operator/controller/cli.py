@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
     import kvrelay.operator.handlers  # noqa: F401  (registers the handlers)
 
-    kopf.configure(verbose=args.verbose)
+    kopf.configure(verbose=args.verbose, log_prefix=True)  # "[namespace/name] ..." on per-object lines
     logging.getLogger("kvrelay").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     priority = args.priority if args.priority is not None else random.SystemRandom().randint(1, 2**31 - 1)
     settings = kopf.OperatorSettings()

@@ -71,4 +71,6 @@ RBAC_RULES: list[dict[str, list[str]]] = [
     {"apiGroups": [""], "resources": ["services", "configmaps"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
+    # kopf's resource observer: notices CRDs appearing and going (without it, kopf retries for a minute).
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
 ]

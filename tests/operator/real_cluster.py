@@ -162,16 +162,16 @@ class OperatorProcess:
         return self.proc.returncode
 
 
-def audited_calls(audit_log: Path, user: str = OPERATOR_USER) -> set[tuple[str, str, str]]:
-    """(apiGroup, resource[/subresource], verb) of every request `user` made that RBAC allowed."""
-    calls = set()
+def audited_calls(audit_log: Path, user: str = OPERATOR_USER) -> dict[str, set[tuple[str, str, str]]]:
+    """(apiGroup, resource[/subresource], verb) of every request `user` made, by RBAC decision
+    ("allow" or "forbid")."""
+    calls: dict[str, set[tuple[str, str, str]]] = {"allow": set(), "forbid": set()}
     for line in audit_log.read_text().splitlines():
         event = json.loads(line)
         ref = event.get("objectRef") or {}
-        if event["user"]["username"] != user or not ref.get("resource"):
-            continue
-        if event.get("annotations", {}).get("authorization.k8s.io/decision") != "allow":
+        decision = event.get("annotations", {}).get("authorization.k8s.io/decision")
+        if event["user"]["username"] != user or not ref.get("resource") or decision not in calls:
             continue
         resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
-        calls.add((ref.get("apiGroup", ""), resource, event["verb"]))
+        calls[decision].add((ref.get("apiGroup", ""), resource, event["verb"]))
     return calls

@@ -257,7 +257,9 @@ def test_chart_role_grants_only_what_the_operator_uses(chart, operator, namespac
     kube = chart.kube
     granted = {(group, resource, verb) for rule in c.RBAC_RULES for group in rule["apiGroups"]
                for resource in rule["resources"] for verb in rule["verbs"]}
-    used = wait_for(lambda: audited_calls(chart.audit_log), what="audit events")
+    calls = wait_for(lambda: (got := audited_calls(chart.audit_log))["allow"] and got, what="audit events")
+    assert not calls["forbid"], f"the API server refused the operator: {calls['forbid']}"
+    used = calls["allow"]
     assert used <= granted, f"the operator called outside its role: {used - granted}"
     # Not visible as requests: server-side apply that creates an object is authorized as `create`
     # too, and blockOwnerDeletion needs `update` on the owner's finalizers (admission). Shown
