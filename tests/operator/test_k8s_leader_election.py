@@ -32,7 +32,8 @@ def resumed(proc: OperatorProcess) -> datetime.datetime | None:
         return None
     line = text[text.rfind("\n", 0, at) + 1:]
     stamp = re.match(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]", line).group(1)
-    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=datetime.timezone.utc)
+    # kopf stamps log lines in local time; a naive datetime's astimezone() reads it as such.
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").astimezone(datetime.timezone.utc)
 
 
 def peers(kube, peering: str) -> dict:
