@@ -3,6 +3,7 @@
 Several replicas elect one leader through kopf peering: each replica joins the
 ClusterKopfPeering `kvrelay-operator` with a distinct random priority; only the highest-priority
 live replica handles resources, the others stand by and take over when its heartbeat expires.
+Without --standalone, a missing peering object stops the operator with a message (peering.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ and runs the autoscaler. Children carry owner references, so deletion is garbage
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
@@ -19,8 +18,9 @@ from kvrelay.operator import constants as c
 from kvrelay.operator.autoscale import Decision, Stabilizer, decide
 from kvrelay.operator.builders import Owner, build_children, gateway_url, hashed_content
 from kvrelay.operator.config import OperatorConfig
-from kvrelay.operator.kube import APIError, KubeClient, object_path, path_of, peering_path
+from kvrelay.operator.kube import APIError, KubeClient, object_path, path_of
 from kvrelay.operator.metrics import MetricsUnavailable, read_signals
+from kvrelay.operator.peering import require_peering
 from kvrelay.operator.spec import InferenceServiceSpec, InvalidSpec, parse_spec
 from kvrelay.operator.status import Condition, is_subset, merge_conditions, roles_status
 
@@ -44,28 +44,6 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
                 f"leader election through ClusterKopfPeering {settings.peering.name!r} "
                 f"(priority {settings.peering.priority}, lifetime {settings.peering.lifetime}s)")
     memo.http = aiohttp.ClientSession()  # for scraping /metrics
-
-
-async def require_peering(client: KubeClient, name: str, memo: kopf.Memo) -> None:
-    """Stop the operator when the peering object is missing: kopf would otherwise wait for it
-    silently. Not a fall-back to standalone: replicas that each decided to run alone would all
-    reconcile. `kvrelay operator` passes its stop flag in the memo and exits with the message."""
-    try:
-        found = await client.get(peering_path(name))
-        problem = None if found is not None else (
-            f"ClusterKopfPeering {name!r} not found, and leader election needs it (the Helm chart creates it). "
-            f"Create it with: kubectl apply -f charts/kvrelay/crds/clusterkopfpeerings.kopf.dev.yaml && echo '"
-            + json.dumps({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}})
-            + "' | kubectl create -f -   Or run a single replica with --standalone.")
-    except APIError as e:
-        problem = (f"cannot read ClusterKopfPeering {name!r} ({e}): the operator's account needs get, list, watch "
-                   f"and patch on clusterkopfpeerings.kopf.dev (the chart's ClusterRole grants them)")
-    if problem is None:
-        return
-    client.logger.error(problem)
-    memo.startup_error = problem
-    if memo.get("stop_flag") is not None:
-        memo.stop_flag.set()
 
 
 @kopf.on.cleanup()
