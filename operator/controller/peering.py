@@ -13,6 +13,8 @@ import json
 import kopf
 from kvrelay.operator.kube import APIError, KubeClient, peering_path
 
+START_UP_BACKOFFS = (1, 2)  # a 403 here is missing RBAC, not an API server upgrade: say so in seconds
+
 
 def missing_message(name: str) -> str:
     peering = json.dumps({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}})
@@ -26,7 +28,8 @@ async def require_peering(client: KubeClient, name: str, memo: kopf.Memo) -> Non
     problem: log it, leave it in memo.startup_error and raise memo.stop_flag, which
     `kvrelay operator` passes to kopf and then turns into its exit message."""
     try:
-        problem = None if await client.get(peering_path(name)) is not None else missing_message(name)
+        found = await client.get(peering_path(name), backoffs=START_UP_BACKOFFS)
+        problem = None if found is not None else missing_message(name)
     except APIError as e:
         problem = (f"cannot read ClusterKopfPeering {name!r} ({e}): the operator's account needs get, list, watch "
                    f"and patch on clusterkopfpeerings.kopf.dev (the chart's ClusterRole grants them)")
