@@ -59,6 +59,10 @@ class Scheduler:
         total = seq.num_computed + num_new
         return max(0, -(-total // self.bs) - len(seq.block_table))
 
+    def try_allocate(self, seq: Sequence, num_new: int) -> bool:
+        """Blocks for num_new more tokens of seq if the pool has them now (never preempts)."""
+        return self._try_allocate(seq, num_new)
+
     def _try_allocate(self, seq: Sequence, num_new: int) -> bool:
         need = self._blocks_needed(seq, num_new)
         if need > self.pool.num_free:
@@ -95,6 +99,7 @@ class Scheduler:
     def free_blocks(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)
         seq.block_table = []
+        seq.table_epoch += 1
         seq.num_computed = 0
         seq.num_registered = 0
 
