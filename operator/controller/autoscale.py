@@ -21,7 +21,7 @@ EPSILON = 1e-9  # keeps ceil(4.0000000001) from becoming 5
 class Signals:
     """Load of one InferenceService at one instant, summed over pods."""
 
-    prefill_queue: float = 0.0  # requests the gateway holds for prefill
+    prefill_queue: float = 0.0  # requests waiting for prefill (gateway queue + prefill workers' waiting)
     decode_queue: float = 0.0  # requests waiting for decode (gateway queue + decode workers' waiting)
     prefill_running: float = 0.0  # requests in prefill workers (waiting + running)
     decode_running: float = 0.0  # requests generating on decode workers

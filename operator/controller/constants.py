@@ -10,6 +10,9 @@ GROUP = "kvrelay.dev"
 VERSION = "v1alpha1"
 PLURAL = "inferenceservices"
 KIND = "InferenceService"
+# `kubectl get kvisvc`. Not `isvc`: KServe's InferenceService owns that short name, and clusters
+# often run both (kubectl would then pick one of the two kinds for `isvc`).
+SHORT_NAME = "kvisvc"
 API_VERSION = f"{GROUP}/{VERSION}"
 
 FIELD_MANAGER = "kvrelay-operator"  # server-side apply of the children
@@ -58,13 +61,16 @@ SCRAPE_ENV = {role: f"KVRELAY_SCRAPE_{role.upper()}_URL" for role in ROLES}
 SCRAPE_TIMEOUT_SECONDS = 2.0
 
 # The API calls the operator makes, as RBAC rules. The chart's ClusterRole must equal these
-# (tests/operator/test_chart.py) and the end-to-end tests check every request against them.
+# (tests/operator/test_chart.py) and the end-to-end tests check every request against them; on a
+# real API server, tests/operator/test_k8s_operator.py shows each verb is used (audit log).
 RBAC_RULES: list[dict[str, list[str]]] = [
-    {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "patch"]},
-    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch"]},
+    {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["list", "watch", "patch"]},
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["patch"]},
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": [""], "resources": ["services", "configmaps"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
+    # kopf's resource observer: notices CRDs appearing and going (without it, kopf retries for a minute).
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
 ]

@@ -20,6 +20,7 @@ from kvrelay.operator.builders import Owner, build_children, gateway_url, hashed
 from kvrelay.operator.config import OperatorConfig
 from kvrelay.operator.kube import APIError, KubeClient, object_path, path_of
 from kvrelay.operator.metrics import MetricsUnavailable, read_signals
+from kvrelay.operator.peering import require_peering
 from kvrelay.operator.spec import InferenceServiceSpec, InvalidSpec, parse_spec
 from kvrelay.operator.status import Condition, is_subset, merge_conditions, roles_status
 
@@ -27,18 +28,29 @@ RESOURCE = (c.GROUP, c.VERSION, c.PLURAL)
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     settings.persistence.finalizer = c.FINALIZER
     settings.posting.level = logging.INFO  # Events for scaling decisions and invalid specs
     settings.posting.loggers = False  # only those explicit Events, not every log line
     settings.watching.server_timeout = 300
     memo.settings = settings  # resource handlers get no `settings` kwarg
     memo.config = OperatorConfig.from_env()
+    if not settings.peering.standalone:
+        # The API is usable only once start-up is over (kopf logs in after it): check in the background.
+        memo.peering_check = asyncio.create_task(require_peering(KubeClient(settings, logger), settings.peering.name,
+                                                                 memo))
+    logger.info("leader election off (--standalone): this replica handles every InferenceService"
+                if settings.peering.standalone else
+                f"leader election through ClusterKopfPeering {settings.peering.name!r} "
+                f"(priority {settings.peering.priority}, lifetime {settings.peering.lifetime}s)")
     memo.http = aiohttp.ClientSession()  # for scraping /metrics
 
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
+    check = memo.get("peering_check")
+    if check is not None:
+        check.cancel()
     http = memo.get("http")
     if http is not None:
         await http.close()
@@ -60,9 +72,10 @@ def needs_apply(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
     return not is_subset(desired["metadata"]["annotations"], live.get("metadata", {}).get("annotations") or {})
 
 
-async def apply_children(client: KubeClient, owner: Owner, spec: InferenceServiceSpec,
-                         config: OperatorConfig) -> dict[str, dict[str, Any] | None]:
-    """Bring every child to its desired state; returns the live Deployments by role."""
+async def apply_children(client: KubeClient, owner: Owner, spec: InferenceServiceSpec, config: OperatorConfig,
+                         applied: list[str] | None = None) -> dict[str, dict[str, Any] | None]:
+    """Bring every child to its desired state; returns the live Deployments by role and adds
+    "Kind name" of each child it wrote to `applied`."""
     deployment_paths = {role: object_path("apps/v1", "Deployment", owner.namespace, f"{owner.name}-{role}")
                         for role in c.ROLES}
     deployments = {role: await client.get(path) for role, path in deployment_paths.items()}
@@ -73,9 +86,11 @@ async def apply_children(client: KubeClient, owner: Owner, spec: InferenceServic
         live = deployments[role] if desired["kind"] == "Deployment" else await client.get(path)
         if needs_apply(desired, live):
             client.logger.info(f"applying {desired['kind']} {desired['metadata']['name']}")
-            applied = await client.apply(desired)
+            live = await client.apply(desired)
+            if applied is not None:
+                applied.append(f"{desired['kind']} {desired['metadata']['name']}")
             if desired["kind"] == "Deployment":
-                deployments[role] = applied
+                deployments[role] = live
     return deployments
 
 
@@ -103,7 +118,12 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, client: KubeClient, autosc
     async with lock:
         try:
             spec = parse_spec(body.get("spec"), owner.name)
-            deployments = await apply_children(client, owner, spec, memo.config)
+            applied: list[str] = []
+            try:
+                deployments = await apply_children(client, owner, spec, memo.config, applied)
+            finally:
+                if applied:  # created, rolled out or repaired: visible in `kubectl describe`
+                    kopf.info(body, reason="Applied", message="applied " + ", ".join(applied))
         except InvalidSpec as e:
             if await write_status(client, body, invalid_status(body, e)):
                 kopf.warn(body, reason="InvalidSpec", message=str(e))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kopf._cogs.clients import api, errors
@@ -40,6 +40,10 @@ def object_path(api_version: str, kind: str, namespace: str, name: str) -> str:
     return f"{collection.format(namespace=namespace)}/{name}"
 
 
+def peering_path(name: str) -> str:
+    return f"/apis/kopf.dev/v1/clusterkopfpeerings/{name}"
+
+
 def path_of(obj: Mapping[str, Any]) -> str:
     meta = obj["metadata"]
     return object_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
@@ -52,9 +56,13 @@ class KubeClient:
         self.settings = settings
         self.logger = logger
 
-    async def get(self, path: str) -> dict[str, Any] | None:
+    async def get(self, path: str, backoffs: Iterable[float] | None = None) -> dict[str, Any] | None:
+        """The object, or None when it does not exist. backoffs: the retries' waits (kopf's
+        networking.error_backoffs when None; kopf retries 403s and 5xx)."""
         try:
-            return await api.get(path, settings=self.settings, logger=self.logger)
+            response = await api.request("get", path, settings=self.settings, backoffs=backoffs, logger=self.logger)
+            async with response:
+                return await response.json()
         except errors.APINotFoundError:
             return None
 

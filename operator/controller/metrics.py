@@ -92,8 +92,11 @@ async def read_signals(session: aiohttp.ClientSession, config: OperatorConfig, o
     prefill, decode = await asyncio.gather(
         scrape_role(session, config, owner, "prefill"), scrape_role(session, config, owner, "decode"))
     kv = [s.value for s in decode if s.name == c.METRIC_WORKER_KV_USAGE]
+    # Each role's queue is the gateway's queue for it plus its own workers' backlog: requests the
+    # gateway already dispatched still wait inside the workers' schedulers.
     return Signals(
-        prefill_queue=total(gateway, c.METRIC_GATEWAY_QUEUE_DEPTH, role="prefill"),
+        prefill_queue=(total(gateway, c.METRIC_GATEWAY_QUEUE_DEPTH, role="prefill")
+                       + total(prefill, c.METRIC_WORKER_WAITING)),
         decode_queue=total(gateway, c.METRIC_GATEWAY_QUEUE_DEPTH, role="decode") + total(decode, c.METRIC_WORKER_WAITING),
         prefill_running=total(prefill, c.METRIC_WORKER_WAITING) + total(prefill, c.METRIC_WORKER_RUNNING),
         decode_running=total(decode, c.METRIC_WORKER_RUNNING),

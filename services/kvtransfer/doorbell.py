@@ -236,8 +236,10 @@ class DoorbellServer:
                 return
         if done is not None:
             h.written_at = time.monotonic()
-            self._ack(conn, h)
+            # Settle before acking: the ack lets the prefill worker end the gRPC stream, and the
+            # stream's end, seen first on the event loop, would otherwise fail a complete hand-off.
             h.resolve(done)
+            self._ack(conn, h)
 
     def _ack(self, conn: socket.socket, h: DoorbellHandoff) -> None:
         ack = kv_pb2.DoorbellAck(ticket=h.ticket, written_at_ns=int(h.written_at * 1e9))

@@ -58,7 +58,8 @@ async def endpoints(cluster, monkeypatch):
         await server.stop()
 
 
-def set_load(endpoints, prefill_queue=0, decode_queue=0, decode_waiting=0, decode_running=0, kv=0.0):
+def set_load(endpoints, prefill_queue=0, decode_queue=0, decode_waiting=0, decode_running=0, kv=0.0,
+             prefill_waiting=0):
     gateway = endpoints["gateway"].gauges
     gateway[f'{c.METRIC_GATEWAY_QUEUE_DEPTH}{{model="demo",role="prefill"}}'] = prefill_queue
     gateway[f'{c.METRIC_GATEWAY_QUEUE_DEPTH}{{model="demo",role="decode"}}'] = decode_queue
@@ -67,7 +68,7 @@ def set_load(endpoints, prefill_queue=0, decode_queue=0, decode_waiting=0, decod
     decode[c.METRIC_WORKER_RUNNING] = decode_running
     decode[c.METRIC_WORKER_KV_USAGE] = kv
     prefill = endpoints["prefill"].gauges
-    prefill[c.METRIC_WORKER_WAITING] = 0
+    prefill[c.METRIC_WORKER_WAITING] = prefill_waiting
     prefill[c.METRIC_WORKER_RUNNING] = 0
 
 
@@ -128,6 +129,21 @@ async def test_queue_depth_scales_roles_independently_to_zero_and_back(cluster, 
     await eventually(lambda: "decode: 5 -> 0 replicas (ScaleToZero" in scaled_messages())
     assert "prefill: 0 -> 3 replicas (WakeUp" in scaled_messages()
     assert "decode: 1 -> 5 replicas (QueueDepth" in scaled_messages()
+
+
+async def test_prefill_queue_counts_the_prefill_workers_own_backlog(endpoints):
+    """Requests the gateway already handed to prefill workers still wait there: they count too."""
+    import aiohttp
+    from kvrelay.operator.builders import Owner
+    from kvrelay.operator.config import OperatorConfig
+    from kvrelay.operator.metrics import read_signals
+
+    set_load(endpoints, prefill_queue=2, prefill_waiting=5, decode_queue=1, decode_waiting=3)
+    endpoints["prefill"].gauges[c.METRIC_WORKER_RUNNING] = 4
+    async with aiohttp.ClientSession() as http:
+        signals = await read_signals(http, OperatorConfig.from_env(), Owner("demo", NS, "uid"))
+    assert (signals.prefill_queue, signals.prefill_running) == (2 + 5, 5 + 4)
+    assert signals.decode_queue == 1 + 3
 
 
 async def test_unreachable_gateway_metrics_hold_replicas(cluster, endpoints, operator_runner):

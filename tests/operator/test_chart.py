@@ -75,6 +75,7 @@ def test_default_install_runs_leader_elected_operator_and_bundled_redis(helm):
     (deployment,) = find(docs, "Deployment", "t-kvrelay-operator")
     assert deployment["spec"]["replicas"] == 2
     assert container["args"][0] == "operator" and "--peering=t-kvrelay" in container["args"]
+    assert "--peering-lifetime=60" in container["args"]
     assert find(docs, "ClusterKopfPeering", "t-kvrelay")
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "t-kvrelay"
     env = env_of(container)

@@ -73,6 +73,18 @@ async def test_only_the_elected_leader_reconciles(cluster, tmp_path):
             await stop(leader)
 
 
+async def test_unreadable_peering_object_stops_the_operator_with_the_reason(cluster, tmp_path):
+    """An API error on the peering object (a 403 on demand) ends start-up with what is missing."""
+    cluster[f"get /apis/kopf.dev/v1/clusterkopfpeerings/{c.PEERING_NAME}"] << 403
+    proc, log = start_operator(tmp_path, "denied")
+    try:
+        await eventually(lambda: proc.poll() is not None, timeout=60)
+    finally:
+        await stop(proc)
+    assert proc.returncode != 0
+    assert f"cannot read ClusterKopfPeering '{c.PEERING_NAME}'" in log.read_text()
+
+
 def test_namespaced_mode_requires_standalone():
     out = subprocess.run([sys.executable, "-m", "kvrelay.cli", "operator", "-n", "team-a"],
                          check=False, capture_output=True, text=True, timeout=60)

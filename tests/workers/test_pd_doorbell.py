@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -155,6 +156,24 @@ async def test_lost_doorbell_ack_is_covered_by_the_stream_ack(tmp_path, monkeypa
         await _assert_same_as_single_process(pair, ref, list(range(30, 130)), GREEDY)
         assert _count(pair.prefill.metrics.doorbells, "connected") == 1
         assert _count(pair.prefill.metrics.kv_handoffs, "ack") == 1
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+
+
+async def test_stream_ending_right_after_the_doorbell_ack_does_not_fail_the_hand_off(tmp_path, monkeypatch):
+    """The doorbell ack lets the prefill worker end the stream at once. A doorbell thread held up
+    right after sending it (the GIL, a loaded machine) must not let that end, seen first on the
+    event loop, fail a hand-off that is complete (it once fell back to a local prefill)."""
+    send_ack = DoorbellServer._ack
+
+    def ack_then_stall(self, conn, h):
+        send_ack(self, conn, h)
+        time.sleep(0.5)  # the prefill worker reads the ack and closes the stream meanwhile
+
+    monkeypatch.setattr(DoorbellServer, "_ack", ack_then_stall)
+    async with _pair_and_reference(tmp_path) as (pair, ref):
+        await _assert_same_as_single_process(pair, ref, list(range(30, 130)), GREEDY)
+        assert _count(pair.decode.metrics.fallbacks, "local") == 0
+        assert _count(pair.decode.metrics.kv_handoffs, "ack") == 1
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
 
 

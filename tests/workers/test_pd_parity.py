@@ -120,6 +120,8 @@ async def test_follow_up_turn_moves_only_the_blocks_the_decode_worker_lacks(mode
             moved.append((pair.decode.metrics.kv_bytes._value.get() - before) / block_bytes)
         # Turn 1 computed the K/V of 173 tokens (150 + 24 generated, the last one never fed back):
         # 10 full blocks. The seeded run then also finds turn 2's 13 full prompt blocks.
+        # (A hand-off that failed and fell back to a local prefill moves nothing: say so first.)
+        assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 0, "a hand-off fell back locally"
         assert moved == [14 - 10, 14 - 13]
         dead = f"127.0.0.1:{free_port()}"  # the first attempt fails after its reservation
         got = await _collect(pair.client.generate(turn2, PARAMS["greedy"], prefill_addr=[dead, pair.prefill_addr]))
