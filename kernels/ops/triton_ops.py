@@ -6,7 +6,7 @@ shape class and dtype.
 
 # Weights stay as loaded on GPU (cuBLAS): prepack_linear returns None, so packed_linear is unused.
 from kvrelay.kernels.reference import packed_linear, prepack_linear
-from kvrelay.kernels.triton_activation import silu_and_mul
+from kvrelay.kernels.triton_activation import gelu_tanh_and_mul, silu_and_mul
 from kvrelay.kernels.triton_decode_attention import paged_decode_attention
 from kvrelay.kernels.triton_int8 import int8_matmul, quantize_int8
 from kvrelay.kernels.triton_kv_cache import gather_blocks, scatter_blocks, write_kv
@@ -17,6 +17,7 @@ from kvrelay.kernels.triton_rotary import rotary_embedding
 __all__ = [
     "fused_add_rms_norm",
     "gather_blocks",
+    "gelu_tanh_and_mul",
     "int8_matmul",
     "packed_linear",
     "paged_decode_attention",

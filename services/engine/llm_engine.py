@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from kvrelay.engine import architectures
 from kvrelay.engine.block_pool import BlockPool, NoFreeBlocksError
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.engine_args import EngineArgs
@@ -74,7 +75,7 @@ class LLMEngine:
             backend = cpu_backend()  # Triton kernels need CUDA tensors (the interpreter is for tests)
         self.ops = get_ops(backend)
 
-        limits = [self.config.max_position_embeddings]
+        limits = [self.config.max_context]
         if self.config.sliding_window:
             limits.append(self.config.sliding_window)  # full attention is exact below the window
         self.max_model_len = min(limits)
@@ -97,7 +98,8 @@ class LLMEngine:
         elif args.quantization is not None:
             raise ValueError(f"quantization must be None or 'int8', got {args.quantization!r}")
         pack_linears(weights, self.ops.prepack_linear)
-        self.model = DecoderModel(self.config, weights, self.ops, self.max_model_len)
+        build_model = architectures.get(self.config.architecture).build_model or DecoderModel
+        self.model = build_model(self.config, weights, self.ops, self.max_model_len)
 
         cfg = self.config
         bs = args.block_size
