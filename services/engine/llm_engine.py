@@ -51,6 +51,11 @@ def _as_id_set(value) -> set[int]:
     return {int(v) for v in (value if isinstance(value, list) else [value])}
 
 
+def _window_of_every_layer(windows: tuple[int | None, ...]) -> int | None:
+    """The widest window when every layer has one (blocks past it can be freed), else None."""
+    return None if not windows or None in windows else max(windows)
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, kv_cache_storage: Callable[[int], torch.Tensor] | None = None):
         """kv_cache_storage(nbytes): zeroed host memory for the KV cache as a uint8 tensor, where
@@ -75,10 +80,8 @@ class LLMEngine:
             backend = cpu_backend()  # Triton kernels need CUDA tensors (the interpreter is for tests)
         self.ops = get_ops(backend)
 
-        limits = [self.config.max_context]
-        if self.config.sliding_window:
-            limits.append(self.config.sliding_window)  # full attention is exact below the window
-        self.max_model_len = min(limits)
+        # Sliding-window layers attend to their window in the kernels: the context is not capped at it.
+        self.max_model_len = self.config.max_context
         if args.max_model_len is not None:
             if args.max_model_len > self.max_model_len:
                 raise ValueError(
@@ -124,7 +127,8 @@ class LLMEngine:
                 self.kv_cache.view(-1).fill_(0)
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs),
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs,
+                            sliding_window=_window_of_every_layer(cfg.windows)),
             self.pool,
         )
         self.eos_ids = _as_id_set(self.generation_config.get("eos_token_id"))

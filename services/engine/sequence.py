@@ -34,6 +34,7 @@ class Sequence:
     rng: random.Random | None = None  # sampled (not greedy) sequences: one uniform per token
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
+    num_dropped: int = 0  # leading block_table entries freed as out of the sliding window (stale ids)
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_hashes: list[int] = field(default_factory=list)  # keys of full blocks, computed lazily
     num_registered: int = 0  # leading blocks registered in the prefix cache

@@ -22,6 +22,9 @@ def save_tiny_model(path: Path, arch: str, **overrides) -> Path:
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3": transformers.Gemma3TextConfig,
+        "phi3": transformers.Phi3Config,
     }[arch]
     kwargs = {
         "vocab_size": 512,
@@ -39,6 +42,11 @@ def save_tiny_model(path: Path, arch: str, **overrides) -> Path:
     }
     if arch == "qwen3":
         kwargs["head_dim"] = 32
+    if arch in ("gemma2", "gemma3"):
+        # Small head dim and window: prompts plus 48 tokens span several windows.
+        kwargs.update(head_dim=16, query_pre_attn_scalar=24, sliding_window=16)
+    if arch == "phi3":
+        kwargs["pad_token_id"] = 0  # the default, 32000, lies outside the tiny vocabulary
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(1234)

@@ -49,9 +49,9 @@ def lookup(names: list[str], source: str = "config.json") -> Architecture:
 
 
 def _register_builtins() -> None:
-    from kvrelay.engine.architectures import llama
+    from kvrelay.engine.architectures import gemma, llama, phi3
 
-    for module in (llama,):
+    for module in (llama, gemma, phi3):
         for arch in module.ARCHITECTURES:
             register(arch)
 
