@@ -19,6 +19,7 @@ def _act_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, inter, BLOCK: tl.c
     if GELU:
         # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), with tanh(y) = 1 - 2 / (exp(2y) + 1)
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh is +-1 in fp32 past 9; keeps exp finite
         act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
     else:
         act = gate / (1.0 + tl.exp(-gate))
