@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from kvrelay.engine import architectures
+from kvrelay.engine import architectures, logits_processors
 from kvrelay.engine.block_pool import BlockPool, NoFreeBlocksError
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.engine_args import EngineArgs
@@ -31,6 +31,8 @@ from kvrelay.engine.sequence import Sequence, Status
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.engine.weights import assemble, dummy_tensors, pack_linears, quantize_linears, read_tensors
 from kvrelay.kernels.registry import cpu_backend, get_ops
+
+from kvrelay.plugins import load_plugins
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class LLMEngine:
         it must live somewhere shared (a prefill worker's kvtransfer.shm.SharedKVCache); CPU only."""
         self.args = args
         self.kv_cache_storage = kv_cache_storage
+        load_plugins(args.plugins)  # architectures and logits processors from installed packages
         model_dir = Path(args.model)
         if not model_dir.is_dir():
             raise ModelLoadError(f"{model_dir}: model folder not found")
@@ -184,6 +187,7 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: must be an integer, got {priority!r}", field="priority")
         params.validate(self.config.vocab_size)
+        logits_processors.validate(params.logits_processors)
         ids = self.tokenize_prompt(prompt)
         limit = self.max_model_len
         if len(ids) >= limit:
@@ -227,7 +231,9 @@ class LLMEngine:
                 | (frozenset() if params.ignore_eos else self.eos_ids),
                 logit_bias=bias,
                 adjusts_logits=params.repetition_penalty != 1.0 or bool(params.presence_penalty)
-                or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0,
+                or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0
+                or bool(params.logits_processors),
+                processors=logits_processors.instantiate(params.logits_processors),
             )
             self._next_seq_id += 1
             seqs.append(seq)

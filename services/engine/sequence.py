@@ -53,6 +53,8 @@ class Sequence:
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     # Penalties, logit bias or a min_tokens ban apply: the sampler edits this row before sampling.
     adjusts_logits: bool = False
+    # Instances of the request's plugin logits processors, applied to this sequence's rows.
+    processors: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ from kvrelay.engine.architectures.base import Architecture
 from kvrelay.engine.errors import ModelLoadError
 
 _REGISTRY: dict[str, Architecture] = {}
+_SOURCES: dict[str, str] = {}  # name -> who registered it
 
 
 def register(arch: Architecture, source: str = "kvrelay") -> None:
@@ -19,14 +20,20 @@ def register(arch: Architecture, source: str = "kvrelay") -> None:
     if not isinstance(arch, Architecture):
         raise TypeError(f"{source}: expected a kvrelay.engine.architectures.Architecture, got {type(arch).__name__}")
     held = _REGISTRY.get(arch.name)
+    if held is arch:
+        return  # the same object again (plugins loaded twice in one process)
     if held is not None:
-        raise ValueError(f"architecture {arch.name!r} from {source} is already registered")
+        raise ValueError(
+            f"architecture {arch.name!r} from {source} is already registered by {_SOURCES[arch.name]}"
+        )
     _REGISTRY[arch.name] = arch
+    _SOURCES[arch.name] = source
 
 
 def unregister(name: str) -> None:
     """Drop an architecture (tests)."""
     _REGISTRY.pop(name, None)
+    _SOURCES.pop(name, None)
 
 
 def supported() -> list[str]:
