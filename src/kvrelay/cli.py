@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("kvrelay.prefill.cli", "prefill worker: computes prompts' KV cache and hands it to decode workers"),
     "decode": ("kvrelay.decode.cli", "decode worker: pulls prefilled KV blocks over gRPC and generates tokens"),
     "operator": ("kvrelay.operator.cli", "run the Kubernetes operator for InferenceService resources"),
+    "env": ("kvrelay.env_info", "print versions, CUDA, CPU flags, native kernels and plugins (for bug reports)"),
 }
 
 

@@ -36,8 +36,12 @@ def _pip(*args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def installed():
-    _pip("install", "-q", "--no-deps", "--no-build-isolation", str(EXAMPLE))
+def installed(tmp_path_factory):
+    import shutil
+
+    copy = tmp_path_factory.mktemp("example") / "plugins"  # the build leaves its outputs there, not in the tree
+    shutil.copytree(EXAMPLE, copy, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    _pip("install", "-q", "--no-deps", "--no-build-isolation", str(copy))
     importlib.invalidate_caches()
     plugins.reset_for_tests()
     try:
