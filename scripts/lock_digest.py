@@ -4,8 +4,9 @@ recorded in the lock files by scripts/lock.sh, compared by tests/test_lock.py.""
 from __future__ import annotations
 
 import hashlib
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import re
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from lock_digest import digest  # noqa: E402
+from lock_digest import digest
 
 PIN = re.compile(r"^([A-Za-z0-9._-]+)==([^ ;\\]+)(?: ;[^\\]*)? \\$")  # name==version [; marker] \
 
@@ -39,7 +39,8 @@ def _requirements() -> tuple[list[Requirement], list[Requirement]]:
 
 @pytest.mark.parametrize("lock", ["requirements.lock", "requirements-test.lock"])
 def test_lock_was_generated_from_this_pyproject(lock):
-    recorded = re.findall(r"^# pyproject-dependencies-sha256: ([0-9a-f]{64})$", (ROOT / lock).read_text(), re.M)
+    text = (ROOT / lock).read_text()
+    recorded = re.findall(r"^# pyproject-dependencies-sha256: ([0-9a-f]{64})$", text, re.MULTILINE)
     assert recorded == [digest()], f"{lock} is out of date: run `bash scripts/lock.sh`"
 
 
