@@ -102,6 +102,7 @@ class Scheduler:
         self.pool.free(seq.block_table[seq.num_dropped :])
         seq.block_table = []
         seq.num_dropped = 0
+        seq.table_epoch += 1
         seq.num_computed = 0
         seq.num_registered = 0
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import save_tiny_model
 from helpers import PROMPTS, greedy, hf_greedy, make_engine, run_engine
 from kvrelay.engine import architectures
 from kvrelay.engine.architectures import llama
 from kvrelay.engine.architectures.base import Architecture
 from kvrelay.engine.errors import ModelLoadError
+from tiny_models import save_tiny_model
 
 LONG_PROMPT = PROMPTS[2] + " " + PROMPTS[5]  # 78 tokens: past Phi-3's tiny original context of 64
 

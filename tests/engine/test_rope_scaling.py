@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import save_tiny_model
 from helpers import PROMPTS, greedy, hf_greedy, make_engine, run_engine
 from kvrelay.engine.rope import context_limit, inv_freq_and_scale, rope_cos_sin_table
+from tiny_models import save_tiny_model
 
 HEAD_DIM, MAX_POS = 32, 512
 
