@@ -15,6 +15,10 @@ ENV PATH=/opt/venv/bin:$PATH
 # torch first, from its own index, so the project's dependency range is already satisfied.
 RUN pip install --index-url "${TORCH_INDEX_URL}" --extra-index-url https://pypi.org/simple "torch==${TORCH_VERSION}"
 WORKDIR /src
+# The locked runtime dependencies, exact versions checked against their sha256 hashes
+# (requirements.lock, written by scripts/lock.sh from pyproject.toml's ranges; torch is above).
+COPY requirements.lock ./
+RUN pip install --require-hashes --no-deps -r requirements.lock
 # Only what the package needs (the build context may hold a .venv and caches).
 COPY pyproject.toml README.md ./
 COPY src ./src
@@ -22,10 +26,26 @@ COPY services ./services
 COPY kernels ./kernels
 COPY operator ./operator
 COPY protos ./protos
-RUN pip install . \
+RUN pip install --no-deps . \
+ && pip check \
  && python -c "import kvrelay.operator.handlers, kvrelay.engine; from kvrelay.models import BUNDLED_MODEL; assert BUNDLED_MODEL.is_dir()"
 
 FROM ${PYTHON_IMAGE}
+# What the image holds, for `docker inspect` (scripts/docker-build.sh fills these in; `kvrelay env`
+# inside a container prints the rest: every library's version, CUDA, CPU flags, native kernels, plugins).
+ARG PYTHON_IMAGE
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG KVRELAY_VERSION=0.1.0
+ARG LOCK_SHA256=unknown
+ARG GIT_COMMIT=unknown
+LABEL org.opencontainers.image.title="kvrelay" \
+      org.opencontainers.image.version="${KVRELAY_VERSION}" \
+      org.opencontainers.image.revision="${GIT_COMMIT}" \
+      org.opencontainers.image.base.name="${PYTHON_IMAGE}" \
+      io.kvrelay.torch.version="${TORCH_VERSION}" \
+      io.kvrelay.torch.index="${TORCH_INDEX_URL}" \
+      io.kvrelay.requirements-lock.sha256="${LOCK_SHA256}"
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1

@@ -43,7 +43,7 @@ BUILD_TIMEOUT_S = 120
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # _N: thread count
 _ARGTYPES = {
-    **{f"paged_decode_attention_{s}": [_P] * 5 + [_I, _P] + [_I] * 8 + [_F, _N] for s in ("f32", "bf16", "f16")},
+    **{f"paged_decode_attention_{s}": [_P] * 5 + [_I, _P] + [_I] * 8 + [_F, _I, _F, _N] for s in ("f32", "bf16", "f16")},
     "add_rms_norm_f32": [_P] * 5 + [_I] * 4 + [_F, _N],
     "rotary_f32": [_P] * 4 + [_I] * 5 + [_N],
     "write_kv_rows": [_P] * 5 + [_I] * 5,
@@ -177,6 +177,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """kvrelay.kernels.reference.paged_decode_attention, reading K/V in place. q[B, Hq, D] -> [B, Hq, D].
 
@@ -197,7 +199,7 @@ def paged_decode_attention(
     status = fn(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), batch, num_heads, kv_heads, head_dim, block_size,
-        k_cache.stride()[0], num_blocks, max_len, scale, torch.get_num_threads(),
+        k_cache.stride()[0], num_blocks, max_len, scale, window or 0, softcap or 0.0, torch.get_num_threads(),
     )
     if status == -2:
         raise ValueError(f"a block table entry lies outside the KV cache's {num_blocks} blocks")

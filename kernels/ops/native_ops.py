@@ -12,6 +12,7 @@ from kvrelay.kernels.reference import (
     PackedWeight,
     fp8_linear,
     gather_blocks,
+    gelu_tanh_and_mul,
     int8_matmul,
     paged_prefill_attention,
     quantize_fp8,
@@ -23,6 +24,7 @@ __all__ = [
     "fp8_linear",
     "fused_add_rms_norm",
     "gather_blocks",
+    "gelu_tanh_and_mul",
     "int8_matmul",
     "packed_linear",
     "paged_decode_attention",
@@ -45,10 +47,15 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     if cpu_native.supports_decode(q, k_cache, v_cache):
-        return cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
+    return reference.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, window=window, softcap=softcap
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

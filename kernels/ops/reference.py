@@ -59,6 +59,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x[T, 2I] = [gate | up] -> gelu_tanh(gate) * up, [T, I] (GeGLU, Gemma's MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -81,7 +87,14 @@ def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> t
     return cache.index_select(0, blocks).flatten(0, 1)[:length]
 
 
-def _decode_attention_padded(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def _softcap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma's attention-logit soft-capping: cap * tanh(scores / cap), in place."""
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    return scores
+
+
+def _decode_attention_padded(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None, softcap=None):
     max_len = int(seq_lens.max())
     block_size = k_cache.shape[1]
     num_blocks = (max_len + block_size - 1) // block_size
@@ -91,16 +104,28 @@ def _decode_attention_padded(q, k_cache, v_cache, block_tables, seq_lens, scale)
     # index_select, not k_cache[table]: advanced indexing is ~15x slower on CPU for this gather.
     k = k_cache.index_select(0, table).view(batch, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2)
     v = v_cache.index_select(0, table).view(batch, -1, *v_cache.shape[2:])[:, :max_len].transpose(1, 2)
-    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].long()
-    out = F.scaled_dot_product_attention(
-        q.float()[:, :, None],
-        k.float(),
-        v.float(),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out[:, :, 0].to(q.dtype)
+    key_pos = torch.arange(max_len, device=q.device)[None, :]
+    lens = seq_lens[:, None].long()
+    valid = key_pos < lens
+    if window is not None:  # the last `window` tokens, the new one included
+        valid &= key_pos >= lens - window
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            q.float()[:, :, None],
+            k.float(),
+            v.float(),
+            attn_mask=valid[:, None, None, :],
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return out[:, :, 0].to(q.dtype)
+    # Soft-capping sits between the product and the softmax, where SDPA has no hook.
+    hkv, group = k.shape[1], q.shape[1] // k.shape[1]
+    qg = q.float().view(batch, hkv, group, -1)  # the query heads of a GQA group on their KV head
+    scores = _softcap(torch.matmul(qg, k.float().transpose(2, 3)).mul_(scale), softcap)
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())
+    return out.reshape(q.shape).to(q.dtype)
 
 
 # Decode attention runs in length-sorted buckets whose padded K+V copy is at most about this
@@ -118,8 +143,15 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its whole paged context. q[B, Hq, D] -> [B, Hq, D].
+
+    window: attend only to the last `window` tokens (sliding-window layers); block-table entries
+    for blocks wholly before the window are never read (the scheduler may have freed them).
+    softcap: scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2).
 
     Sequences are sorted by length and processed in buckets, each padded only to its own longest
     member, so mixed lengths do not gather (and attend over) mostly padding, and each bucket's
@@ -130,11 +162,13 @@ def paged_decode_attention(
     copy_bytes = batch * int(seq_lens.max()) * token_bytes
     buckets = min(-(-copy_bytes // DECODE_BUCKET_BYTES), -(-batch // MIN_BUCKET_SEQS))
     if buckets <= 1:
-        return _decode_attention_padded(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return _decode_attention_padded(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     order = torch.argsort(seq_lens)
     out = torch.empty_like(q)
     for idx in torch.tensor_split(order, buckets):
-        out[idx] = _decode_attention_padded(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale)
+        out[idx] = _decode_attention_padded(
+            q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, window, softcap
+        )
     return out
 
 
@@ -143,33 +177,52 @@ def paged_decode_attention(
 PREFILL_TILE = 128
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q[Lq, Hq, D] holds the last Lq positions of a context whose keys/values are k, v[ctx, Hkv, D].
+def _causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    key_start: int = 0,
+) -> torch.Tensor:
+    """q[Lq, Hq, D] holds the last Lq positions of a context whose keys/values from position
+    key_start on are k, v[ctx - key_start, Hkv, D].
 
-    Tiles of query rows against only the keys up to the tile's last position, as two batched
-    matmuls and a softmax: on CPU 1.5-6x faster than SDPA with a mask (which computes the whole
-    masked square; `.venv/bin/python benchmarks/prefill_attention.py`). The query heads of a GQA
-    group are stacked on their KV head, so K/V are never repeated.
+    Tiles of query rows against only the keys the tile can see (up to its last position; with a
+    window, from its first row's window start), as two batched matmuls and a softmax: on CPU
+    1.5-6x faster than SDPA with a mask (which computes the whole masked square;
+    `.venv/bin/python benchmarks/prefill_attention.py`). The query heads of a GQA group are
+    stacked on their KV head, so K/V are never repeated.
     """
     lq, hq, d = q.shape
     ctx, hkv, _ = k.shape
+    ctx += key_start
     group = hq // hkv
     qh = q.float().view(lq, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, group, Lq, D]
-    kh, vh = k.float().permute(1, 0, 2), v.float().permute(1, 0, 2)  # [Hkv, ctx, D]
+    kh, vh = k.float().permute(1, 0, 2), v.float().permute(1, 0, 2)  # [Hkv, keys, D]
     out = torch.empty(hkv, group, lq, d, device=q.device)
     past = ctx - lq  # query i sits at position past + i
     for start in range(0, lq, PREFILL_TILE):
         end = min(start + PREFILL_TILE, lq)
         rows, keys = end - start, past + end
-        scores = torch.bmm(qh[:, :, start:end].reshape(hkv, group * rows, d), kh[:, :keys].transpose(1, 2))
+        first = key_start if window is None else max(key_start, past + start - window + 1)
+        scores = torch.bmm(
+            qh[:, :, start:end].reshape(hkv, group * rows, d),
+            kh[:, first - key_start : keys - key_start].transpose(1, 2),
+        )
         scores.mul_(scale)
-        # Only keys inside the tile's own span can lie after a query's position.
-        future = torch.arange(past + start, keys, device=q.device)[None, :] > torch.arange(
-            past + start, past + end, device=q.device
-        )[:, None]
-        scores.view(hkv, group, rows, keys)[..., past + start :].masked_fill_(future, float("-inf"))
+        _softcap(scores, softcap)
+        query_pos = torch.arange(past + start, past + end, device=q.device)[:, None]
+        key_pos = torch.arange(first, keys, device=q.device)[None, :]
+        hidden = key_pos > query_pos  # the future
+        if window is not None:
+            hidden |= key_pos <= query_pos - window
+        scores.view(hkv, group, rows, keys - first).masked_fill_(hidden, float("-inf"))
         torch.softmax(scores, dim=-1, out=scores)
-        out[:, :, start:end] = torch.bmm(scores, vh[:, :keys]).view(hkv, group, rows, d)
+        out[:, :, start:end] = torch.bmm(scores, vh[:, first - key_start : keys - key_start]).view(
+            hkv, group, rows, d
+        )
     return out.permute(2, 0, 1, 3).reshape(lq, hq, d).to(q.dtype)
 
 
@@ -181,12 +234,16 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """A chunk of new tokens per sequence, causal over its cached prefix plus itself.
 
     q[T, Hq, D] packs the sequences' new tokens; sequence b owns rows
     query_start_loc[b]:query_start_loc[b+1], which sit at the last positions of its
     seq_lens[b] tokens of context. Their K/V are already written to the cache.
+    window / softcap: as in paged_decode_attention (each row sees its last `window` positions).
     """
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
@@ -196,10 +253,14 @@ def paged_prefill_attention(
         q_start, q_end = starts[b], starts[b + 1]
         if q_end == q_start:
             continue
-        blocks = block_tables[b, : (ctx + block_size - 1) // block_size].long()
-        k = _gather_context(k_cache, blocks, ctx)
-        v = _gather_context(v_cache, blocks, ctx)
-        out[q_start:q_end] = _causal_attention(q[q_start:q_end], k, v, scale)
+        # Blocks wholly before the first row's window are not read.
+        first_key = 0 if window is None else max(0, ctx - (q_end - q_start) - window + 1)
+        first_block = first_key // block_size
+        blocks = block_tables[b, first_block : (ctx + block_size - 1) // block_size].long()
+        key_start = first_block * block_size
+        k = _gather_context(k_cache, blocks, ctx - key_start)
+        v = _gather_context(v_cache, blocks, ctx - key_start)
+        out[q_start:q_end] = _causal_attention(q[q_start:q_end], k, v, scale, window, softcap, key_start)
     return out
 
 

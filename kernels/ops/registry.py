@@ -33,6 +33,7 @@ OP_NAMES = (
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "write_kv",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -65,6 +66,8 @@ class KernelOps:
     fp8_linear: Callable
     prepack_linear: Callable
     packed_linear: Callable
+    # Added after the first release: a default, so KernelOps built by keyword elsewhere still work.
+    gelu_tanh_and_mul: Callable = reference.gelu_tanh_and_mul
 
 
 def _from_module(backend: str, module: types.ModuleType) -> KernelOps:

@@ -7,6 +7,19 @@ import os
 
 import torch
 import triton
+import triton.language as tl
+
+# The window argument of the attention kernels when a layer has none: wider than any context.
+NO_WINDOW = 1 << 30
+
+
+@triton.jit
+def softcap_log2(s, scale_log2, softcap):
+    """Raw q.k scores -> softcap * tanh(s * scale / softcap), in the kernels' base-2 domain (times
+    log2(e)); tanh(y) = 1 - 2 / (exp(2y) + 1), which saturates cleanly at both ends."""
+    y = s * (scale_log2 * 0.6931471805599453) / softcap
+    y = tl.minimum(tl.maximum(y, -15.0), 15.0)  # tanh is +-1 in fp32 past 9; keeps exp finite
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * 1.4426950408889634
 
 
 def interpreting() -> bool:

@@ -15,7 +15,15 @@ import math
 import torch
 import triton
 import triton.language as tl
-from kvrelay.kernels.triton_common import dot_in_fp32, interpreting, on_device, pow2, sm_count
+from kvrelay.kernels.triton_common import (
+    NO_WINDOW,
+    dot_in_fp32,
+    interpreting,
+    on_device,
+    pow2,
+    sm_count,
+    softcap_log2,
+)
 
 # A split covers at least this many tokens of the longest context the table allows: shorter
 # splits cost more in the reduction than they save.
@@ -27,25 +35,27 @@ DECODE_STAGES = 3
 
 
 # Values that change with the batch are not specialised on (1 / multiple of 16): no recompiles mid-run.
-@triton.jit(do_not_specialize=["bt_stride", "num_splits", "max_context"])
+@triton.jit(do_not_specialize=["bt_stride", "num_splits", "max_context", "window"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     q_b_stride, q_h_stride, o_b_stride, o_h_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, bt_stride,
-    scale_log2, group, num_heads, num_splits, max_context,
+    scale_log2, group, num_heads, num_splits, max_context, window, softcap,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # Never walk past the block table, whatever seq_lens says.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_context)
-    # Each sequence's own length is split evenly (in whole tiles), so a CUDA graph captured for
+    # Each sequence's own attended range (its last `window` tokens with a sliding window; blocks
+    # before them are never read) is split evenly (in whole tiles), so a CUDA graph captured for
     # the longest context still balances short ones, and no split of a short sequence idles.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
+    first = tl.maximum(seq_len - window, 0)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -78,7 +88,11 @@ def _decode_kernel(
                 s = tl.dot(q, tl.trans(k.to(q.dtype)))
         else:
             s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+        if SOFTCAP:
+            s = softcap_log2(s, scale_log2, softcap)
+        else:
+            s = s * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -150,6 +164,9 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention; num_splits overrides the split-KV choice."""
     batch, num_heads, head_dim = q.shape
@@ -186,9 +203,10 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * math.log2(math.e), group, num_heads, num_splits, max_context,
+        window or NO_WINDOW, softcap or 1.0,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_G=pow2(group, 16 if use_dot else 1), BLOCK_N=block_n, BLOCK_D=block_d,
-        USE_DOT=use_dot, DOT_FP32=use_dot and dot_in_fp32(q.dtype), SPLIT=split,
+        USE_DOT=use_dot, DOT_FP32=use_dot and dot_in_fp32(q.dtype), SPLIT=split, SOFTCAP=softcap is not None,
         num_warps=4, num_stages=1 if interpreting() else DECODE_STAGES,
     )
     if split:

@@ -6,7 +6,7 @@ shape class and dtype.
 
 # Weights stay as loaded on GPU (cuBLAS): prepack_linear returns None, so packed_linear is unused.
 from kvrelay.kernels.reference import packed_linear, prepack_linear
-from kvrelay.kernels.triton_activation import silu_and_mul
+from kvrelay.kernels.triton_activation import gelu_tanh_and_mul, silu_and_mul
 from kvrelay.kernels.triton_decode_attention import paged_decode_attention
 from kvrelay.kernels.triton_fp8 import fp8_linear, quantize_fp8
 from kvrelay.kernels.triton_int8 import int8_matmul, quantize_int8
@@ -19,6 +19,7 @@ __all__ = [
     "fp8_linear",
     "fused_add_rms_norm",
     "gather_blocks",
+    "gelu_tanh_and_mul",
     "int8_matmul",
     "packed_linear",
     "paged_decode_attention",

@@ -15,15 +15,15 @@ import math
 import torch
 import triton
 import triton.language as tl
-from kvrelay.kernels.triton_common import dot_in_fp32, interpreting, on_device, pow2
+from kvrelay.kernels.triton_common import NO_WINDOW, dot_in_fp32, interpreting, on_device, pow2, softcap_log2
 
 
 @triton.jit
 def _attend_tile(
     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, n0, kv_end, q_pos, d,
-    cache_block_stride, cache_slot_stride, cache_head_stride, scale_log2,
+    cache_block_stride, cache_slot_stride, cache_head_stride, scale_log2, window, softcap,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, CAUSAL: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < kv_end
@@ -40,9 +40,13 @@ def _attend_tile(
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
     else:
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-    s = s * scale_log2
-    if CAUSAL:
-        s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+    if SOFTCAP:
+        s = softcap_log2(s, scale_log2, softcap)
+    else:
+        s = s * scale_log2
+    if CAUSAL:  # masked tiles: the causal diagonal, and the far edge of a sliding window
+        visible = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible & n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     if CAUSAL:
         # A row may see no key of a diagonal tile yet; keep exp2 away from (-inf) - (-inf).
@@ -63,15 +67,15 @@ def _attend_tile(
 
 
 # Values that change with the batch are not specialised on (1 / multiple of 16): no recompiles mid-run.
-@triton.jit(do_not_specialize=["num_seqs", "bt_stride", "max_context"])
+@triton.jit(do_not_specialize=["num_seqs", "bt_stride", "max_context", "window"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
     q_tok_stride, q_head_stride, o_tok_stride, o_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, bt_stride,
-    scale_log2, num_seqs, group, max_context,
+    scale_log2, num_seqs, group, max_context, window, softcap,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # Last tiles first: under the causal mask they carry the most keys, so the grid ends on light work.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -113,17 +117,29 @@ def _prefill_kernel(
     full_end = tl.where(has_rows, ((prefix + m0 + 1) // BLOCK_N) * BLOCK_N, 0)
     kv_end = tl.where(has_rows, tl.minimum(table_end, prefix + m0 + BLOCK_M), 0)
     full_end = tl.minimum(full_end, (kv_end // BLOCK_N) * BLOCK_N)
-    for n0 in range(0, full_end, BLOCK_N):
+    # A sliding window hides keys at or before q_pos - window: tiles before the first row's window
+    # are skipped (never read), and those the last row cannot see in full are masked.
+    lo = tl.maximum(prefix + m0 - window + 1, 0)
+    lo = tl.minimum((lo // BLOCK_N) * BLOCK_N, full_end)
+    band = tl.maximum(prefix + m0 + BLOCK_M - window, 0)  # every row sees keys from here on
+    band = tl.minimum(tl.maximum(((band + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo), full_end)
+    for n0 in range(lo, band, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, n0, kv_end, q_pos, d,
-            cache_block_stride, cache_slot_stride, cache_head_stride, scale_log2,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_DOT, DOT_FP32, False,
+            cache_block_stride, cache_slot_stride, cache_head_stride, scale_log2, window, softcap,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_DOT, DOT_FP32, True, SOFTCAP,
+        )
+    for n0 in range(band, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, n0, kv_end, q_pos, d,
+            cache_block_stride, cache_slot_stride, cache_head_stride, scale_log2, window, softcap,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_DOT, DOT_FP32, False, SOFTCAP,
         )
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, n0, kv_end, q_pos, d,
-            cache_block_stride, cache_slot_stride, cache_head_stride, scale_log2,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_DOT, DOT_FP32, True,
+            cache_block_stride, cache_slot_stride, cache_head_stride, scale_log2, window, softcap,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_DOT, DOT_FP32, True, SOFTCAP,
         )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offs = (q_start + rows).to(tl.int64)[:, None] * o_tok_stride + head * o_head_stride + d[None, :]
@@ -155,6 +171,9 @@ def paged_prefill_attention(
     scale: float,
     block_m: int | None = None,
     block_n: int | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.paged_prefill_attention; block_m/block_n override the tiling."""
     num_tokens, num_heads, head_dim = q.shape
@@ -181,8 +200,9 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * math.log2(math.e), num_seqs, num_heads // num_kv_heads, block_tables.shape[1] * block_size,
+        window or NO_WINDOW, softcap or 1.0,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=pow2(head_dim),
-        USE_DOT=use_dot, DOT_FP32=use_dot and dot_in_fp32(q.dtype),
+        USE_DOT=use_dot, DOT_FP32=use_dot and dot_in_fp32(q.dtype), SOFTCAP=softcap is not None,
         num_warps=warps, num_stages=stages,
     )
     return out

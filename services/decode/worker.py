@@ -36,6 +36,7 @@ from kvrelay.kvtransfer.layout import DirectChunk, ReceivedChunk
 from kvrelay.kvtransfer.shm import DOORBELL_SUFFIX, ShmArena, SourceCaches
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.transport import GrpcKVTransport, HandoffRequest, KVDestination, KVTransport
+from kvrelay.kvtransfer.transport_plugins import plugin_transport
 from kvrelay.kvtransfer.worker_base import WorkerBase, WorkerOptions
 from kvrelay.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 
@@ -57,6 +58,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
                  transport: KVTransport | None = None):
         super().__init__(engine, options)
         self.arena = self.doorbell = None
+        if transport is None and self.options.kv_transport:
+            transport = plugin_transport(self.options.kv_transport, self.layout, self.options)
         if transport is None and self.options.kv_shm_bytes:
             self.arena = ShmArena(self.options.kv_shm_bytes, self.options.kv_shm_dir)
             self.metrics.track_shm_arena(self.arena)

@@ -50,6 +50,7 @@ class EngineArgs:
     kernel_backend: str = "auto"  # auto | torch | native | triton
     device: str = "auto"  # auto | cpu | cuda
     dummy_seed: int = 0  # random weights of --load-format dummy
+    plugins: str | None = None  # "a,b": load only these plugins (default: $KVRELAY_PLUGINS, else all)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +119,11 @@ class EngineArgs:
         )
         parser.add_argument(
             "--dummy-seed", type=int, default=d.dummy_seed, help="seed of --load-format dummy weights"
+        )
+        parser.add_argument(
+            "--plugins", default=None,
+            help="load only these plugins (entry-point or package names, comma-separated; default: "
+            "$KVRELAY_PLUGINS, else every installed one)",
         )
 
     @classmethod

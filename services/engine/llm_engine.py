@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from kvrelay.engine import architectures, logits_processors
 from kvrelay.engine.block_pool import BlockPool, NoFreeBlocksError
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
@@ -36,6 +37,8 @@ from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.engine.weights import assemble, dummy_tensors, pack_linears, quantize_linears, read_tensors
 from kvrelay.kernels.registry import cpu_backend, get_ops
 
+from kvrelay.plugins import load_plugins
+
 log = logging.getLogger(__name__)
 
 
@@ -55,12 +58,18 @@ def _as_id_set(value) -> set[int]:
     return {int(v) for v in (value if isinstance(value, list) else [value])}
 
 
+def _window_of_every_layer(windows: tuple[int | None, ...]) -> int | None:
+    """The widest window when every layer has one (blocks past it can be freed), else None."""
+    return None if not windows or None in windows else max(windows)
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, kv_cache_storage: Callable[[int], torch.Tensor] | None = None):
         """kv_cache_storage(nbytes): zeroed host memory for the KV cache as a uint8 tensor, where
         it must live somewhere shared (a prefill worker's kvtransfer.shm.SharedKVCache); CPU only."""
         self.args = args
         self.kv_cache_storage = kv_cache_storage
+        load_plugins(args.plugins)  # architectures and logits processors from installed packages
         model_dir = Path(args.model)
         if not model_dir.is_dir():
             raise ModelLoadError(f"{model_dir}: model folder not found")
@@ -79,10 +88,8 @@ class LLMEngine:
             backend = cpu_backend()  # Triton kernels need CUDA tensors (the interpreter is for tests)
         self.ops = get_ops(backend)
 
-        limits = [self.config.max_position_embeddings]
-        if self.config.sliding_window:
-            limits.append(self.config.sliding_window)  # full attention is exact below the window
-        self.max_model_len = min(limits)
+        # Sliding-window layers attend to their window in the kernels: the context is not capped at it.
+        self.max_model_len = self.config.max_context
         if args.max_model_len is not None:
             if args.max_model_len > self.max_model_len:
                 raise ValueError(
@@ -107,7 +114,8 @@ class LLMEngine:
         elif args.quantization is not None:
             raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {args.quantization!r}")
         pack_linears(weights, self.ops.prepack_linear)
-        self.model = DecoderModel(self.config, weights, self.ops, self.max_model_len)
+        build_model = architectures.get(self.config.architecture).build_model or DecoderModel
+        self.model = build_model(self.config, weights, self.ops, self.max_model_len)
 
         cfg = self.config
         bs = args.block_size
@@ -150,7 +158,8 @@ class LLMEngine:
             self.runner.capture_graphs()
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs),
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs,
+                            sliding_window=_window_of_every_layer(cfg.windows)),
             self.pool,
         )
         self.speculator = None
@@ -216,6 +225,7 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: must be an integer, got {priority!r}", field="priority")
         params.validate(self.config.vocab_size)
+        logits_processors.validate(params.logits_processors)
         ids = self.tokenize_prompt(prompt)
         limit = self.max_model_len
         if len(ids) >= limit:
@@ -259,7 +269,9 @@ class LLMEngine:
                 | (frozenset() if params.ignore_eos else self.eos_ids),
                 logit_bias=bias,
                 adjusts_logits=params.repetition_penalty != 1.0 or bool(params.presence_penalty)
-                or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0,
+                or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0
+                or bool(params.logits_processors),
+                processors=logits_processors.instantiate(params.logits_processors),
             )
             self._next_seq_id += 1
             seqs.append(seq)

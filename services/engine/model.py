@@ -1,4 +1,4 @@
-"""One decoder for Llama, Mistral, Qwen2 and Qwen3, driven by ModelConfig, over a paged KV cache."""
+"""The decoder every built-in architecture runs, driven by ModelConfig, over a paged KV cache."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from kvrelay.engine.model_config import ModelConfig, rope_cos_sin_cache
+from kvrelay.engine.rope import rope_cos_sin_table
 from kvrelay.engine.weights import Linear, ModelWeights
 from kvrelay.kernels.registry import KernelOps
 
@@ -28,12 +29,38 @@ class StepBatch:
 
 
 class DecoderModel:
+    """One decoder for every built-in architecture, its layer recipe read from ModelConfig: the
+    Llama layout, plus Gemma's sandwich norms, GeGLU, embedding scale, soft-capping and per-layer
+    sliding windows. Branches depend on the config only, never on tensor values (CUDA graphs)."""
+
     def __init__(self, config: ModelConfig, weights: ModelWeights, ops: KernelOps, max_positions: int):
         self.config = config
         self.w = weights
         self.ops = ops
-        self.cos_sin_cache = rope_cos_sin_cache(config, max_positions).to(weights.embed.device)
-        self.scale = config.head_dim**-0.5
+        device = weights.embed.device
+        self.cos_sin_cache = rope_cos_sin_cache(config, max_positions).to(device)
+        # Gemma 3's sliding layers rotate with their own (default) rope base.
+        self.local_cos_sin_cache = self.cos_sin_cache
+        if config.local_rope_theta is not None:
+            self.local_cos_sin_cache = rope_cos_sin_table(
+                "default", {}, config.local_rope_theta, config.head_dim, config.max_position_embeddings,
+                max_positions,
+            ).to(device)
+        self.scale = config.attn_scale if config.attn_scale is not None else config.head_dim**-0.5
+        # Attention keyword arguments per layer, only those that are set: kernels without the
+        # options keep working for the architectures that do not need them.
+        self.attn_kwargs = []
+        for window in config.windows:
+            kw = {}
+            if window is not None:
+                kw["window"] = window
+            if config.attn_softcap is not None:
+                kw["softcap"] = config.attn_softcap
+            self.attn_kwargs.append(kw)
+        self.embed_scale = None
+        if config.embed_scale is not None:  # rounded to the weights' dtype, as transformers does
+            self.embed_scale = torch.tensor(config.embed_scale, dtype=weights.embed.dtype, device=device)
+        self.act = ops.gelu_tanh_and_mul if config.hidden_act == "gelu_tanh" else ops.silu_and_mul
         # Optional fn(layer_idx, batch), called right after each layer wrote its K/V into the cache
         # (prefill workers stream early layers while later ones compute). None: no cost.
         self.layer_hook = None
@@ -51,23 +78,28 @@ class DecoderModel:
     def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Runs the step, writing new K/V into kv_cache; returns fp32 logits [S, vocab]."""
         cfg, ops = self.config, self.ops
+        eps = cfg.rms_norm_eps
         nd = batch.num_decode
         hidden = F.embedding(batch.input_ids, self.w.embed)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         residual = None
         for layer_idx, lw in enumerate(self.w.layers):
             if residual is None:
-                x, residual = ops.rms_norm(hidden, lw.input_norm, cfg.rms_norm_eps), hidden
+                x, residual = ops.rms_norm(hidden, lw.input_norm, eps), hidden
             else:
-                x, residual = ops.fused_add_rms_norm(hidden, residual, lw.input_norm, cfg.rms_norm_eps)
+                x, residual = ops.fused_add_rms_norm(hidden, residual, lw.input_norm, eps)
             qkv = self._linear(x, lw.qkv)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
             k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
-                q = ops.rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
-                k = ops.rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-            q, k = ops.rotary_embedding(batch.positions, q, k, self.cos_sin_cache)
+                q = ops.rms_norm(q, lw.q_norm, eps)
+                k = ops.rms_norm(k, lw.k_norm, eps)
+            attn_kw = self.attn_kwargs[layer_idx]
+            rope = self.local_cos_sin_cache if "window" in attn_kw else self.cos_sin_cache
+            q, k = ops.rotary_embedding(batch.positions, q, k, rope)
             k_cache, v_cache = kv_cache[layer_idx, 0], kv_cache[layer_idx, 1]
             ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
             if self.layer_hook is not None:
@@ -76,7 +108,8 @@ class DecoderModel:
             if nd:
                 parts.append(
                     ops.paged_decode_attention(
-                        q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, self.scale
+                        q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, self.scale,
+                        **attn_kw,
                     )
                 )
             if q.shape[0] > nd:
@@ -89,15 +122,26 @@ class DecoderModel:
                         batch.prefill_query_start_loc,
                         batch.prefill_seq_lens,
                         self.scale,
+                        **attn_kw,
                     )
                 )
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             hidden = self._linear(attn.reshape(-1, cfg.q_size), lw.o_proj)
-            x, residual = ops.fused_add_rms_norm(hidden, residual, lw.post_norm, cfg.rms_norm_eps)
-            hidden = self._linear(ops.silu_and_mul(self._linear(x, lw.gate_up)), lw.down)
+            if cfg.sandwich_norms:
+                hidden = ops.rms_norm(hidden, lw.post_norm, eps)
+                x, residual = ops.fused_add_rms_norm(hidden, residual, lw.pre_ffn_norm, eps)
+                hidden = ops.rms_norm(self._linear(self.act(self._linear(x, lw.gate_up)), lw.down),
+                                      lw.post_ffn_norm, eps)
+            else:
+                x, residual = ops.fused_add_rms_norm(hidden, residual, lw.post_norm, eps)
+                hidden = self._linear(self.act(self._linear(x, lw.gate_up)), lw.down)
         hidden = hidden.index_select(0, batch.logits_indices)
         residual = residual.index_select(0, batch.logits_indices)
-        x, _ = ops.fused_add_rms_norm(hidden, residual, self.w.norm, cfg.rms_norm_eps)
+        x, _ = ops.fused_add_rms_norm(hidden, residual, self.w.norm, eps)
         if self.w.lm_head_packed is not None:
-            return self.ops.packed_linear(x, self.w.lm_head_packed).float()
-        return F.linear(x, self.w.lm_head).float()
+            logits = self.ops.packed_linear(x, self.w.lm_head_packed).float()
+        else:
+            logits = F.linear(x, self.w.lm_head).float()
+        if cfg.final_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits

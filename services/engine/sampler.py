@@ -7,6 +7,7 @@ request's seed), so what it samples does not depend on which other sequences sha
 from __future__ import annotations
 
 import torch
+from kvrelay.engine.logits_processors import apply as apply_processors
 from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sequence import Sequence
 
@@ -30,6 +31,8 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> None:
         row[ids] += values.to(row.dtype)
     if seq.num_generated < p.min_tokens and seq.stop_ids:
         row[list(seq.stop_ids)] = float("-inf")
+    if seq.processors:
+        apply_processors(seq.processors, seq.output_ids, row)
 
 
 def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:

@@ -31,6 +31,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob plus top-k alternatives
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    # Plugin logits processors by name, with their arguments (kvrelay.engine.logits_processors).
+    logits_processors: dict[str, dict] | None = None
 
     @property
     def greedy(self) -> bool:

@@ -5,6 +5,10 @@ prefill still in progress), then admits waiting sequences while budget, sequence
 KV blocks last. When blocks run out, the worst sequence (lowest priority, then newest) is
 preempted by recompute: its blocks are freed (full ones stay in the prefix cache) and it
 goes back to the waiting queue with every token it generated, so no request is lost.
+
+With a sliding window on every layer, a running sequence's leading blocks that no later query
+can see (wholly before its window) go back to the pool: its table keeps their stale ids, which
+the attention kernels never read, and num_dropped says how many lead it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"  # "fcfs" | "priority" (higher priority value runs first)
     block_size: int = 16
+    # Every layer attends to at most this many tokens: blocks wholly before it are freed. None: keep all.
+    sliding_window: int | None = None
 
 
 @dataclass
@@ -97,11 +103,24 @@ class Scheduler:
         seq.num_registered = full
 
     def free_blocks(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
+        self.pool.free(seq.block_table[seq.num_dropped :])
         seq.block_table = []
+        seq.num_dropped = 0
         seq.table_epoch += 1
         seq.num_computed = 0
         seq.num_registered = 0
+
+    def drop_out_of_window(self, seq: Sequence) -> None:
+        """Free the leading blocks no later query of seq can see. The next query sits at position
+        num_computed and sees keys after num_computed - window. A P/D hand-off reads every block
+        of a held sequence, so those keep theirs; full blocks stay in the prefix cache."""
+        window = self.config.sliding_window
+        if window is None or seq.hold_blocks:
+            return
+        dead = max(0, seq.num_computed - window + 1) // self.bs
+        if dead > seq.num_dropped:
+            self.pool.free(seq.block_table[seq.num_dropped : dead])
+            seq.num_dropped = dead
 
     # ---- scheduling -------------------------------------------------------------------------
 
@@ -129,6 +148,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
+            self.drop_out_of_window(seq)
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             if num_new <= 0:
                 continue

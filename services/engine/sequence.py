@@ -35,6 +35,9 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)  # only ever appended to, or replaced after
     table_epoch: int = 0  # bumped when the blocks are freed (the model runner's cached row is stale)
+    # Leading block_table entries freed as out of the sliding window: their ids stay (stale, never
+    # read by the kernels), so the table is still only appended to.
+    num_dropped: int = 0
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_hashes: list[int] = field(default_factory=list)  # keys of full blocks, computed lazily
     num_registered: int = 0  # leading blocks registered in the prefix cache
@@ -53,6 +56,8 @@ class Sequence:
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     # Penalties, logit bias or a min_tokens ban apply: the sampler edits this row before sampling.
     adjusts_logits: bool = False
+    # Instances of the request's plugin logits processors, applied to this sequence's rows.
+    processors: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

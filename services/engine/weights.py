@@ -37,6 +37,10 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Linear  # gate and up fused along the output dim
     down: Linear
+    # Sandwich norms (Gemma): post_norm then normalises the attention output, and these two
+    # surround the MLP. None for the Llama layout, where post_norm precedes the MLP.
+    pre_ffn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -49,30 +53,10 @@ class ModelWeights:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape, for every tensor the decoder reads."""
-    h, i, v, d = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    for n in range(config.num_layers):
-        p = f"model.layers.{n}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (config.q_size, h)
-        shapes[p + "self_attn.k_proj.weight"] = (config.kv_size, h)
-        shapes[p + "self_attn.v_proj.weight"] = (config.kv_size, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, config.q_size)
-        if config.qkv_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (config.q_size,)
-            shapes[p + "self_attn.k_proj.bias"] = (config.kv_size,)
-            shapes[p + "self_attn.v_proj.bias"] = (config.kv_size,)
-        if config.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
-        shapes[p + "mlp.gate_proj.weight"] = (i, h)
-        shapes[p + "mlp.up_proj.weight"] = (i, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, i)
-    return shapes
+    """HF tensor name -> shape, for every tensor the decoder reads (as the architecture names them)."""
+    from kvrelay.engine.architectures import get
+
+    return get(config.architecture).expected_shapes(config)
 
 
 def _shard_files(model_dir: Path) -> dict[str, Path]:
@@ -139,11 +123,15 @@ def read_tensors(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> di
 
 def dummy_tensors(config: ModelConfig, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights at the config's shapes (for benchmarks at real sizes)."""
+    from kvrelay.engine.architectures import get
+
     gen = torch.Generator().manual_seed(seed)
+    # Norm weights stored as an offset from 1 (Gemma) are zero for a unit norm.
+    unit_norm = torch.zeros if get(config.architecture).zero_norms else torch.ones
     out = {}
     for name, shape in expected_shapes(config).items():
         if name.endswith(("norm.weight", "layernorm.weight")):
-            out[name] = torch.ones(shape, dtype=dtype)
+            out[name] = unit_norm(shape, dtype=dtype)
         elif name.endswith(".bias"):
             out[name] = torch.zeros(shape, dtype=dtype)
         else:
@@ -152,35 +140,10 @@ def dummy_tensors(config: ModelConfig, dtype: torch.dtype, seed: int = 0) -> dic
 
 
 def assemble(config: ModelConfig, t: dict[str, torch.Tensor]) -> ModelWeights:
-    layers = []
-    for n in range(config.num_layers):
-        p = f"model.layers.{n}."
-        a = p + "self_attn."
-        qkv_bias = None
-        if config.qkv_bias:
-            qkv_bias = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]])
-        layers.append(
-            LayerWeights(
-                input_norm=t[p + "input_layernorm.weight"],
-                qkv=Linear(
-                    torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]]),
-                    qkv_bias,
-                ),
-                q_norm=t.get(a + "q_norm.weight"),
-                k_norm=t.get(a + "k_norm.weight"),
-                o_proj=Linear(t[a + "o_proj.weight"]),
-                post_norm=t[p + "post_attention_layernorm.weight"],
-                gate_up=Linear(torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]])),
-                down=Linear(t[p + "mlp.down_proj.weight"]),
-            )
-        )
-    embed = t["model.embed_tokens.weight"]
-    return ModelWeights(
-        embed=embed,
-        layers=layers,
-        norm=t["model.norm.weight"],
-        lm_head=embed if config.tie_word_embeddings else t["lm_head.weight"],
-    )
+    """The decoder's weights from the checkpoint's tensors, as the architecture maps them."""
+    from kvrelay.engine.architectures import get
+
+    return get(config.architecture).assemble(config, t)
 
 
 def quantize_linears(weights: ModelWeights, quantize) -> None:

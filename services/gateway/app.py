@@ -20,9 +20,10 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from kvrelay.engine import logits_processors
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.gateway import errors
+from kvrelay.gateway import errors, hooks
 from kvrelay.gateway.backend import Backend
 from kvrelay.gateway.errors import ApiError
 from kvrelay.gateway.metrics import GatewayMetrics
@@ -141,6 +142,7 @@ class Gateway:
             # The engine seeds a 64-bit generator: fold any integer into its range, deterministically.
             seed=None if body.seed is None else body.seed % (2**63),
             stop=stop, ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
+            logits_processors=logits_processors.normalise(body.logits_processors),
         )
         try:
             params.validate(self.backend.tokenizer.vocab_size)
@@ -667,6 +669,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="kvrelay gateway", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible completions and chat with tenant quotas and fair queueing.")
     app.state.gateway = gateway
+    hooks.install(app, gateway.metrics.registry, gateway.config.max_body_bytes)  # plugin request/response hooks
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):

@@ -25,13 +25,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model folder the workers serve: the gateway reads its tokenizer and configs only")
     parser.add_argument("--served-model-name", default=None, help="model id clients use (default: folder name)")
     parser.add_argument("--dns-refresh", type=float, default=5.0, help="seconds between DNS re-resolutions")
+    parser.add_argument("--routing-policy", default=None,
+                        help="a routing policy from a kvrelay.routing plugin (default: the built-in prefix-cache "
+                             "affinity with bounded load)")
+    parser.add_argument("--plugins", default=None,
+                        help="load only these plugins (comma-separated; default: $KVRELAY_PLUGINS, else all)")
 
 
 def build_backend(args: argparse.Namespace, prefill: str, decode: str):
     from kvrelay.gateway.disaggregated import DisaggregatedBackend
 
     return DisaggregatedBackend(prefill, decode, args.model, args.served_model_name,
-                                capacity=args.capacity or 256, dns_refresh_s=args.dns_refresh)
+                                capacity=args.capacity or 256, dns_refresh_s=args.dns_refresh,
+                                routing_policy=getattr(args, "routing_policy", None))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from kvrelay.engine.outputs import EngineStats
 from kvrelay.engine.sampling_params import SamplingParams, defaults_from_generation_config
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.gateway.routing import Discovery, WorkerPool
+from kvrelay.gateway.routing_policy import resolve as resolve_policy
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class DisaggregatedBackend:
 
     def __init__(self, prefill: str, decode: str, model: str, served_model_name: str | None = None,
                  capacity: int = 256, dns_refresh_s: float = 5.0, eject_after_s: float = 1.0,
-                 load_interval_s: float = 0.2):
+                 load_interval_s: float = 0.2, routing_policy: str | None = None):
         from kvrelay.kvtransfer import client  # noqa: F401 - fail early if the workers' client is missing
 
         self.model_dir = Path(model)
@@ -44,8 +45,9 @@ class DisaggregatedBackend:
         self._reported_model_id: str | None = None
         self.capacity = capacity
         self.load_interval_s = load_interval_s
-        self.prefill = WorkerPool("prefill", eject_after_s)
-        self.decode = WorkerPool("decode", eject_after_s)
+        policy = resolve_policy(routing_policy)  # raises ValueError naming the loaded ones
+        self.prefill = WorkerPool("prefill", eject_after_s, policy=policy)
+        self.decode = WorkerPool("decode", eject_after_s, policy=policy)
         self._discovery = [Discovery(self.prefill, prefill, dns_refresh_s),
                            Discovery(self.decode, decode, dns_refresh_s)]
         config = _read_json(self.model_dir / "config.json")

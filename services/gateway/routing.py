@@ -75,8 +75,11 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, role: str, eject_after_s: float = 1.0, load_bound: float = 1.25,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, policy: object | None = None):
         self.role = role
+        # A routing-policy plugin (kvrelay.gateway.routing_policy) choosing among the live
+        # candidates instead of the built-in rules below; None: the built-in rules.
+        self.policy = policy
         self.eject_after_s = eject_after_s
         self.load_bound = load_bound
         self.clock = clock
@@ -125,6 +128,8 @@ class WorkerPool:
         candidates = self.live(exclude)
         if not candidates:
             return None
+        if self.policy is not None:
+            return self.policy.pick(self.role, candidates, list(hashes))
         bound = self._bound(candidates)
         # 1. published caches: the longest leading run of the prompt's blocks
         best = _longest_cached_prefix(candidates, hashes, bound)
@@ -152,6 +157,8 @@ class WorkerPool:
         with_room = [w for w in candidates if w.kv_blocks_free > 0] or candidates
         if not with_room:
             return None
+        if self.policy is not None:
+            return self.policy.pick(self.role, with_room, list(hashes))
         best = _longest_cached_prefix(with_room, hashes, self._bound(with_room))
         if best is not None:
             return best

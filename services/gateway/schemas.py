@@ -50,6 +50,8 @@ class _SamplingFields(_Strict):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
+    # Plugin logits processors: ["name", ...] or {"name": {...arguments}} (docs/plugins.md).
+    logits_processors: list[str] | dict[str, dict] | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.outputs import RequestOutput, TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.v1 import common_pb2
@@ -11,6 +12,9 @@ _PLAIN = ("n", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetiti
 
 
 def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    if p.logits_processors:  # the wire has no field for them yet: refuse rather than drop them
+        raise InvalidRequestError("logits_processors: not supported across a prefill/decode hand-off yet",
+                                  field="logits_processors")
     msg = common_pb2.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
                                     **{k: getattr(p, k) for k in _PLAIN})
     for k in ("max_tokens", "seed", "logprobs"):

@@ -54,6 +54,8 @@ class WorkerOptions:
     # prefill side: the KV cache in a shared-memory file in kv_shm_dir, so a decode worker on this
     # node copies held blocks straight out of it (the direct hand-off; needs its doorbell).
     kv_shared_cache: bool = False
+    # decode side: a K/V transport from a kvrelay.kv_transports plugin by name (None: gRPC, built in).
+    kv_transport: str | None = None
 
 
 def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -99,6 +101,8 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--no-kv-doorbell", dest="kv_doorbell", action="store_false",
                             help="with --kv-shm-bytes: no doorbell socket beside the arena; chunk headers and "
                                  "acks of same-node hand-offs go on the gRPC stream")
+        parser.add_argument("--kv-transport", default=None,
+                            help="a K/V transport from a kvrelay.kv_transports plugin (default: the built-in gRPC one)")
 
 
 def make_engine(args: EngineArgs, options: WorkerOptions) -> AsyncEngine:

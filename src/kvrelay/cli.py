@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -20,7 +21,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "decode": ("kvrelay.decode.cli", "decode worker: pulls prefilled KV blocks over gRPC and generates tokens"),
     "operator": ("kvrelay.operator.cli", "run the Kubernetes operator for InferenceService resources"),
     "bench": ("kvrelay.bench.cli", "benchmark any OpenAI-compatible server, or the engine offline"),
+    "env": ("kvrelay.env_info", "print versions, CUDA, CPU flags, native kernels and plugins (for bug reports)"),
 }
+
+
+# Every process that serves or generates loads the installed plugins at start (kvrelay.plugins).
+PLUGIN_COMMANDS = ("generate", "serve", "gateway", "prefill", "decode")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +38,15 @@ def main(argv: list[str] | None = None) -> int:
         modules[name] = module
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
     args = parser.parse_args(argv)
+    if args.command in PLUGIN_COMMANDS:
+        from kvrelay.plugins import PluginError, load_plugins
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:
+            load_plugins(getattr(args, "plugins", None))
+        except PluginError as exc:
+            print(f"kvrelay {args.command}: {exc}", file=sys.stderr)
+            return 2
     return int(modules[args.command].run(args) or 0)
 
 

@@ -2,51 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
-
-from kvrelay.models import BUNDLED_MODEL
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def save_tiny_model(path: Path, arch: str, **overrides) -> Path:
-    """A randomly initialised tiny model of `arch`, with the bundled tokenizer (vocab 512)."""
-    import transformers
-
-    config_cls = {
-        "llama": transformers.LlamaConfig,
-        "mistral": transformers.MistralConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-    }[arch]
-    kwargs = {
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        # Large init so logits are peaked and greedy choices are not near-ties.
-        "initializer_range": 1.0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "tie_word_embeddings": False,
-    }
-    if arch == "qwen3":
-        kwargs["head_dim"] = 32
-    kwargs.update(overrides)
-    config = config_cls(**kwargs)
-    torch.manual_seed(1234)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(BUNDLED_MODEL / name, path / name)
-    return path
+from tiny_models import save_tiny_model
 
 
 @pytest.fixture(scope="session")

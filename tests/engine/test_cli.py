@@ -47,3 +47,20 @@ def test_generate_bad_input_exits_2_with_a_clear_message():
     assert out.returncode == 2 and "max_tokens" in out.stderr
     out = kvrelay("generate", "--model", "/nonexistent", "x")
     assert out.returncode == 2 and "/nonexistent" in out.stderr
+
+
+def test_env_reports_what_a_bug_report_needs():
+    out = kvrelay("env", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    import torch
+
+    assert data["kvrelay"] == "0.1.0" and data["python"].startswith(sys.version.split()[0])
+    assert data["packages"]["torch"] == torch.__version__
+    assert set(data["packages"]) >= {"triton", "transformers", "numpy"}
+    assert data["cuda"]["available"] == torch.cuda.is_available()
+    assert data["native_cpu_kernels"]["status"] in ("built", "unavailable")
+    assert set(data["plugins"]) == {"kvrelay.architectures", "kvrelay.logits_processors", "kvrelay.routing",
+                                    "kvrelay.kv_transports", "kvrelay.gateway_hooks"}
+    text = kvrelay("env").stdout
+    assert "native_cpu_kernels:" in text and "flags:" in text

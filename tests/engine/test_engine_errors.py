@@ -96,8 +96,8 @@ def test_unknown_architecture(tmp_path):
 
 def test_unsupported_rope_type(tmp_path):
     d = _copy_model(tmp_path)
-    _edit_config(d, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ModelLoadError, match="unsupported rope type 'yarn'"):
+    _edit_config(d, rope_scaling={"rope_type": "mrope", "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="unsupported rope type 'mrope'.*yarn"):
         make_engine(d)
 
 

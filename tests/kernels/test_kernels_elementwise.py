@@ -85,3 +85,11 @@ def test_rotary_embedding(rope_type, params, head_dim, dtype):
 def test_silu_and_mul(shape, dtype):
     x = randn(shape, dtype, 0) * 4
     assert_close(silu_and_mul(x), reference.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_tanh_and_mul(dtype):
+    from kvrelay.kernels.triton_activation import gelu_tanh_and_mul
+
+    x = randn((7, 2 * 96), dtype, 5) * 4  # large gates saturate the tanh at both ends
+    assert_close(gelu_tanh_and_mul(x), reference.gelu_tanh_and_mul(x))

@@ -27,3 +27,13 @@ def test_entrypoint_is_kvrelay_and_the_example_model_path_is_linked():
     assert json.loads(entrypoint) == ["kvrelay"]
     example = yaml.safe_load((ROOT / "examples/inferenceservice.yaml").read_text())
     assert example["spec"]["model"]["uri"] in DOCKERFILE
+
+
+def test_installs_the_lock_with_hashes_and_labels_its_versions():
+    assert "pip install --require-hashes --no-deps -r requirements.lock" in DOCKERFILE
+    assert "pip install --no-deps ." in DOCKERFILE  # nothing resolved past the lock
+    labels = " ".join(re.findall(r"^LABEL ((?:.*\\\n)*.*)$", DOCKERFILE, re.MULTILINE))
+    for key, arg in (("org.opencontainers.image.version", "KVRELAY_VERSION"), ("io.kvrelay.torch.version",
+                     "TORCH_VERSION"), ("io.kvrelay.requirements-lock.sha256", "LOCK_SHA256")):
+        assert f'{key}="${{{arg}}}"' in labels
+        assert f"--build-arg {arg}=" in (ROOT / "scripts/docker-build.sh").read_text()

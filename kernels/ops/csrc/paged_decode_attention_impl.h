@@ -22,7 +22,7 @@
 int FN(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,
        int64_t table_stride, const int32_t *seq_lens, int64_t batch, int64_t num_heads,
        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t block_stride,
-       int64_t num_blocks, int64_t max_len, float scale, int num_threads) {
+       int64_t num_blocks, int64_t max_len, float scale, int64_t window, float softcap, int num_threads) {
     const int64_t D = head_dim;
     const int64_t token_stride = num_kv_heads * D;
     const int64_t split = batch >= 4 * num_threads ? 1 : num_kv_heads;
@@ -48,9 +48,11 @@ int FN(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *bl
             const int64_t b = task / split, h0 = (task % split) * heads_per_task;
             const int64_t len = seq_lens[b];
             const int64_t nblk = (len + block_size - 1) / block_size;
+            const int64_t first = window > 0 && len > window ? len - window : 0; /* first token attended */
+            const int64_t blk0 = first / block_size;
             const int32_t *table = block_tables + b * table_stride;
             int bad_block = 0;
-            for (int64_t i = 0; i < nblk; i++) bad_block |= table[i] < 0 || table[i] >= num_blocks;
+            for (int64_t i = blk0; i < nblk; i++) bad_block |= table[i] < 0 || table[i] >= num_blocks;
             if (bad_block) {
 #pragma omp atomic write
                 status = -2;
@@ -63,15 +65,17 @@ int FN(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *bl
 
             /* K pass: scores. Each block first prefetches the block PREFETCH_AHEAD later (past
              * the last K block: the first V blocks). */
-            for (int64_t blk = 0; blk < nblk; blk++) {
+            for (int64_t blk = blk0; blk < nblk; blk++) {
                 const int64_t ahead = blk + PREFETCH_AHEAD;
                 if (ahead < nblk)
                     PREFETCH_ROWS(k_cache + (int64_t)table[ahead] * block_stride + h0 * D, block_size, token_stride, row_bytes);
-                else if (ahead - nblk < nblk)
-                    PREFETCH_ROWS(v_cache + (int64_t)table[ahead - nblk] * block_stride + h0 * D, block_size, token_stride,
-                                  row_bytes);
-                const int64_t start = blk * block_size, n = len - start < block_size ? len - start : block_size;
-                const T *kb = k_cache + (int64_t)table[blk] * block_stride + h0 * D;
+                else if (ahead - nblk + blk0 < nblk)
+                    PREFETCH_ROWS(v_cache + (int64_t)table[ahead - nblk + blk0] * block_stride + h0 * D, block_size,
+                                  token_stride, row_bytes);
+                /* this block's tokens [start, start + n), clipped to [first, len) */
+                const int64_t bstart = blk * block_size, start = bstart > first ? bstart : first;
+                const int64_t n = (len - bstart < block_size ? len - bstart : block_size) - (start - bstart);
+                const T *kb = k_cache + (int64_t)table[blk] * block_stride + (start - bstart) * token_stride + h0 * D;
 #if defined(__AVX512F__) /* head by head over the block's tokens: q stays in registers */
                 for (int64_t h = 0; h < heads_per_task; h++)
                     for (int64_t r = h * group; r < (h + 1) * group; r++)
@@ -86,24 +90,27 @@ int FN(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *bl
             }
             for (int64_t r = 0; r < rows; r++) { /* softmax numerators and their sums */
                 float *sr = scores + r * stride;
+                if (softcap > 0.0f)
+                    for (int64_t t = first; t < len; t++) sr[t] = softcap * tanhf(sr[t] / softcap);
                 float m = -INFINITY;
 #pragma omp simd reduction(max : m)
-                for (int64_t t = 0; t < len; t++) m = sr[t] > m ? sr[t] : m;
+                for (int64_t t = first; t < len; t++) m = sr[t] > m ? sr[t] : m;
                 float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < len; t++) {
+                for (int64_t t = first; t < len; t++) {
                     sr[t] = expf(sr[t] - m);
                     sum += sr[t];
                 }
                 sums[r] = sum;
             }
             /* V pass: probability-weighted sums. */
-            for (int64_t blk = 0; blk < nblk; blk++) {
+            for (int64_t blk = blk0; blk < nblk; blk++) {
                 if (blk + PREFETCH_AHEAD < nblk)
                     PREFETCH_ROWS(v_cache + (int64_t)table[blk + PREFETCH_AHEAD] * block_stride + h0 * D, block_size,
                                   token_stride, row_bytes);
-                const int64_t start = blk * block_size, n = len - start < block_size ? len - start : block_size;
-                const T *vb = v_cache + (int64_t)table[blk] * block_stride + h0 * D;
+                const int64_t bstart = blk * block_size, start = bstart > first ? bstart : first;
+                const int64_t n = (len - bstart < block_size ? len - bstart : block_size) - (start - bstart);
+                const T *vb = v_cache + (int64_t)table[blk] * block_stride + (start - bstart) * token_stride + h0 * D;
                 for (int64_t h = 0; h < heads_per_task; h++)
                     for (int64_t r = h * group; r < (h + 1) * group; r++)
                         AXPY(acc + r * D, scores + r * stride + start, vb + h * D, n, token_stride, D);
