@@ -182,3 +182,7 @@ ERROR_RESPONSES: dict[int | str, dict] = {
         503: "Queue full, quota store unavailable or no healthy workers",
     }.items()
 }
+
+GENERATION_RESPONSES: dict[int | str, dict] = {
+    200: {"description": "A completion; `text/event-stream` of chunks when `stream` is true",
+          "content": {"text/event-stream": {}}}} | ERROR_RESPONSES

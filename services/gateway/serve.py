@@ -33,24 +33,39 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                         help="tenants YAML (keys, quotas, priority, models); default: one open tenant")
     parser.add_argument("--redis-url", default=None, help="Redis for quotas shared by all gateway replicas")
     parser.add_argument("--quota-failure-policy", choices=["closed", "open"], default="closed",
-                        help="when Redis is unreachable: closed = 503, open = admit unaccounted")
+                        help="when Redis is unreachable: closed = 503, open = enforce quotas per replica and "
+                             "charge what was served to Redis when it returns")
+    parser.add_argument("--redis-max-connections", type=int, default=64,
+                        help="Redis connections per gateway; more concurrent quota checks queue for one")
+    parser.add_argument("--redis-timeout", type=float, default=0.5,
+                        help="seconds Redis may take to answer one try of a quota command (two tries)")
+    parser.add_argument("--quota-wait", type=float, default=d.quota_wait_s,
+                        help="seconds an admission may queue for a free Redis connection before a 503")
     parser.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s,
                         help="seconds before a dead gateway's concurrency slots are freed")
     parser.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting before 503")
     parser.add_argument("--capacity", type=int, default=None,
                         help="sequences in flight before requests queue (default: the engine's --max-num-seqs)")
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    parser.add_argument("--max-prompt-bytes", type=int, default=d.max_prompt_bytes,
+                        help="UTF-8 bytes of prompt text per request, checked before tokenizing (413 past it)")
+    parser.add_argument("--tokenizer-threads", type=int, default=d.tokenizer_threads,
+                        help="threads that tokenize prompts and render chat templates off the event loop")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def build_quota(args: argparse.Namespace) -> QuotaManager:
-    store = RedisQuotaStore(args.redis_url) if args.redis_url else MemoryQuotaStore()
-    return QuotaManager(store, lease_ttl_s=args.lease_ttl, fail_open=args.quota_failure_policy == "open")
+    store = (RedisQuotaStore(args.redis_url, timeout_s=args.redis_timeout, max_connections=args.redis_max_connections)
+             if args.redis_url else MemoryQuotaStore())
+    return QuotaManager(store, lease_ttl_s=args.lease_ttl, fail_open=args.quota_failure_policy == "open",
+                        wait_s=args.quota_wait)
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(max_queue=args.max_queue, capacity=args.capacity, max_body_bytes=args.max_body_bytes,
-                         lease_ttl_s=args.lease_ttl, quota_fail_open=args.quota_failure_policy == "open")
+                         lease_ttl_s=args.lease_ttl, quota_fail_open=args.quota_failure_policy == "open",
+                         quota_wait_s=args.quota_wait, max_prompt_bytes=args.max_prompt_bytes,
+                         tokenizer_threads=args.tokenizer_threads)
 
 
 def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = ()) -> int:
