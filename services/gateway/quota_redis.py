@@ -18,6 +18,7 @@ tokens its gateway last reported, and the rest is refunded.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 from kvrelay.gateway.quota_store import (
@@ -45,14 +46,15 @@ local function settle(rid, used)
   local reserved, day = string.match(v, '^(%d+)|(%d+)|')
   local delta = tonumber(reserved) - used
   local n = redis.call('HGET', KEYS[3], rid)
-  if n then
+  -- (Skipping zeros also keeps Lua's "-0" away from Redis, which refuses it as an integer.)
+  if n and delta ~= 0 then
     local d = math.min(delta, tonumber(n))
-    redis.call('HINCRBY', KEYS[3], rid, -d)
+    redis.call('HINCRBY', KEYS[3], rid, 0 - d)
     redis.call('DECRBY', KEYS[4], d)
   end
   local daykey = KEYS[6] .. ':' .. day
   local dsum = redis.call('GET', daykey)
-  if dsum then redis.call('DECRBY', daykey, math.min(delta, tonumber(dsum))) end
+  if dsum and delta ~= 0 then redis.call('DECRBY', daykey, math.min(delta, tonumber(dsum))) end
   redis.call('HSET', KEYS[7], rid, used .. '|' .. day .. '|' .. used)
 end
 local function expire(now, window)
@@ -262,13 +264,14 @@ class RedisQuotaStore:
             def args(sent: list[float] = sent) -> list:
                 # Redis may act on it only while we still wait for the answer (our clock, shifted to Redis's).
                 sent.append(time.time())
-                redis_deadline = int((sent[0] + self.op_timeout_s) * 1000) + self._skew_ms
+                until = min(sent[0] + self.op_timeout_s, deadline_s or math.inf)
+                redis_deadline = int(until * 1000) + self._skew_ms
                 return [request_id, tokens, *limits, lease_ttl_ms, WINDOW_MS, DAY_MS, redis_deadline]
 
             ok, limit, retry, nreq, tsum, now = await self._run(self._admit, self.keys(tenant_id), args, deadline_s)
             limit = limit.decode() if isinstance(limit, bytes) else limit
             d = Decision(bool(ok), limit or None, int(retry), int(nreq), int(tsum), int(now))
-            if d.limit != DEADLINE_PASSED or time.time() > sent[0] + self.op_timeout_s:
+            if d.limit != DEADLINE_PASSED or time.time() > min(sent[0] + self.op_timeout_s, deadline_s or math.inf):
                 return d
             # Refused although we were still waiting: Redis's clock runs ahead of ours. Learn it, retry once.
             self._skew_ms = d.now_ms - int(time.time() * 1000)

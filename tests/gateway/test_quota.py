@@ -106,3 +106,31 @@ async def test_unreachable_redis_fail_closed_and_open():
     await opened.complete(adm, 1)
     await closed.close()
     await opened.close()
+
+
+async def test_expired_lease_settles_at_the_last_reported_use(store):
+    mgr = QuotaManager(store, lease_ttl_s=0.6)
+    q = Quotas(tokens_per_day=1000, tokens_per_minute=1000)
+    adm = await mgr.admit("s", q, "r1", 100)
+    adm.used = 30  # what the response has served so far; the next renewal reports it
+    await asyncio.sleep(0.5)
+    mgr._renewer.cancel()  # the gateway dies: no reconcile ever comes
+    await asyncio.sleep(0.9)
+    assert await store.usage("s") == {"requests_per_minute": 1, "tokens_per_minute": 30,
+                                      "concurrent_requests": 0, "tokens_per_day": 30}
+    await mgr.complete(adm, 30)  # a late reconcile of a reaped lease changes nothing
+    assert (await store.usage("s"))["tokens_per_day"] == 30
+
+
+async def test_void_undoes_an_admission_and_a_late_one_takes_nothing(store):
+    q = Quotas(concurrent_requests=1, tokens_per_day=1000)
+    await store.admit("v", q, "r1", 50, 60_000)
+    await store.void("v", "r1")
+    await store.void("v", "r1")  # replayed: still once
+    assert await store.usage("v") == {"requests_per_minute": 0, "tokens_per_minute": 0,
+                                      "concurrent_requests": 0, "tokens_per_day": 0}
+    import time
+
+    d = await store.admit("v", q, "r2", 50, 60_000, deadline_s=time.time() - 5)
+    assert not d.admitted and d.limit == "deadline_passed"
+    assert (await store.usage("v"))["tokens_per_day"] == 0
