@@ -68,7 +68,9 @@ class Tokenizer:
         raise InvalidRequestError(f"chat template: {message}", field="messages")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized
+        # in a worker thread leaves the caller's event loop running.
+        return self._tk.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_prompt(self, text: str) -> list[int]:
         """Encode a prompt; a prompt that already starts with the BOS text (from a chat template) gets no second BOS."""

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from kvrelay.gateway import errors, routes_chat, routes_completions, routes_metrics, routes_models
 from kvrelay.gateway.errors import ApiError
+from kvrelay.gateway.frontdoor import HeaderCountLimit
 from kvrelay.gateway.gateway import Gateway, GatewayConfig
 from kvrelay.gateway.middleware import BodyLimit
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,7 +33,9 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     # Union members add their type names to the location (`prompt.str`): keep the field path.
     path = []
     for part in loc:
-        if part.isdigit():
+        if part == "":  # a JSON key that is the empty string
+            path.append(('.' if path else "") + '""')
+        elif part.isdigit():
             path.append(f"[{part}]")
         elif part[0].isupper() or "[" in part or part in ("str", "int", "float", "bool", "list", "dict") or \
                 part.startswith(("list[", "function-", "constrained-")):
@@ -86,4 +89,5 @@ def create_app(gateway: Gateway) -> FastAPI:
     for module in (routes_completions, routes_chat, routes_models, routes_metrics):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=gateway.config.max_body_bytes)
+    app.add_middleware(HeaderCountLimit, max_headers=gateway.config.frontdoor.max_headers)
     return app

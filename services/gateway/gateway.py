@@ -20,6 +20,7 @@ from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.gateway import errors
 from kvrelay.gateway.backend import Backend
 from kvrelay.gateway.errors import ApiError
+from kvrelay.gateway.frontdoor import FrontDoorLimits
 from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.quota import (
     Admission,
@@ -47,7 +48,8 @@ class GatewayConfig:
     max_tenant_labels: int = 100
     max_prompt_bytes: int = 1024 * 1024  # UTF-8 bytes of prompt text (all prompts / messages); past it: 413
     tokenizer_threads: int = 4  # threads that tokenize and render chat templates
-    tokenizer_queue: int = 64  # preparations waiting for a thread; past it: 503
+    tokenizer_queue: int = 1024  # preparations waiting for a thread; past it: 503
+    frontdoor: FrontDoorLimits = field(default_factory=FrontDoorLimits)  # header and connection limits
 
 
 @dataclass
@@ -84,8 +86,10 @@ class Gateway:
         self.scheduler: FairScheduler | None = None
         self.running = 0
         self._executor = ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="kvrelay-tokenize")
-        # Running plus waiting preparations; past it: 503 (a flood cannot queue unbounded work).
-        self._prepare_slots = asyncio.Semaphore(self.config.tokenizer_threads + self.config.tokenizer_queue)
+        # One slot per thread; at most tokenizer_queue more wait (past it: 503), so a flood cannot
+        # queue unbounded work.
+        self._prepare_slots = asyncio.Semaphore(self.config.tokenizer_threads)
+        self._prepare_waiting = 0
 
     async def start(self) -> None:
         await self.backend.start()
@@ -208,11 +212,18 @@ class Gateway:
                 f"{headers['Retry-After']} s", "requests_per_minute", headers)
 
     async def _offload(self, fn, *args):
-        if self._prepare_slots.locked():
+        if self._prepare_waiting >= self.config.tokenizer_queue:
             raise errors.unavailable("The gateway is saturated: too many prompts waiting to be tokenized",
                                      "tokenizer_busy")
-        async with self._prepare_slots:
+        self._prepare_waiting += 1
+        try:
+            await self._prepare_slots.acquire()
+        finally:
+            self._prepare_waiting -= 1
+        try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self._prepare_slots.release()
 
     def _prepare_completion(self, body: CompletionRequest, tenant: Tenant) -> Prepared:
         if body.user is not None:

@@ -17,6 +17,7 @@ import yaml
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
 from kvrelay.gateway.app import Gateway, GatewayConfig, create_app
 from kvrelay.gateway.backend import LocalBackend
+from kvrelay.gateway.frontdoor import FrontDoorLimits, uvicorn_options
 from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStore
 from kvrelay.gateway.tenants import TenantConfigError, TenantRegistry
 from kvrelay.kvtransfer.worker_base import PARENT_PID_ENV
@@ -51,6 +52,15 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                         help="UTF-8 bytes of prompt text per request, checked before tokenizing (413 past it)")
     parser.add_argument("--tokenizer-threads", type=int, default=d.tokenizer_threads,
                         help="threads that tokenize prompts and render chat templates off the event loop")
+    f = FrontDoorLimits()
+    parser.add_argument("--max-header-bytes", type=int, default=f.max_header_bytes,
+                        help="bytes of a request head (request line and headers); larger: refused")
+    parser.add_argument("--max-headers", type=int, default=f.max_headers, help="header lines per request (431)")
+    parser.add_argument("--header-timeout", type=float, default=f.header_timeout_s,
+                        help="seconds a connection has to send a complete request head before it is closed")
+    parser.add_argument("--max-connections-per-client", type=int, default=f.max_connections_per_client,
+                        help="open connections per client address (0: unlimited; behind a proxy all clients "
+                             "share its address)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -65,7 +75,9 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(max_queue=args.max_queue, capacity=args.capacity, max_body_bytes=args.max_body_bytes,
                          lease_ttl_s=args.lease_ttl, quota_fail_open=args.quota_failure_policy == "open",
                          quota_wait_s=args.quota_wait, max_prompt_bytes=args.max_prompt_bytes,
-                         tokenizer_threads=args.tokenizer_threads)
+                         tokenizer_threads=args.tokenizer_threads,
+                         frontdoor=FrontDoorLimits(args.max_header_bytes, args.max_headers, args.header_timeout,
+                                                   args.max_connections_per_client))
 
 
 def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = ()) -> int:
@@ -73,8 +85,10 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
     `serve --disaggregated` without its local worker would only answer 503."""
     import uvicorn
 
+    limits = app.state.gateway.config.frontdoor
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=False, timeout_graceful_shutdown=5))
+                                           access_log=False, timeout_graceful_shutdown=5,
+                                           **uvicorn_options(limits)))
     lost: list[str] = []
 
     def wait_for(role: str, proc: subprocess.Popen) -> None:
