@@ -49,6 +49,7 @@ class GatewayConfig:
     max_prompt_bytes: int = 1024 * 1024  # UTF-8 bytes of prompt text (all prompts / messages); past it: 413
     tokenizer_threads: int = 4  # threads that tokenize and render chat templates
     tokenizer_queue: int = 1024  # preparations waiting for a thread; past it: 503
+    allow_special_tokens: bool = False  # True: special-token text in prompts and messages acts as special
     frontdoor: FrontDoorLimits = field(default_factory=FrontDoorLimits)  # header and connection limits
 
 
@@ -170,8 +171,9 @@ class Gateway:
     def _encode(self, text: str, field_name: str) -> list[int]:
         _check_text(text, field_name)
         tok = self.backend.tokenizer
-        encode = getattr(tok, "encode_prompt", None)
-        return encode(text) if encode else tok.encode(text)
+        if self.config.allow_special_tokens:
+            return tok.encode_prompt(text)
+        return tok.encode_plain(text)  # "</s>" in a prompt is text, not end-of-sequence
 
     # Tokenizing and rendering a chat template cost CPU in proportion to the prompt: they run in a
     # bounded thread pool (the tokenizers library releases the GIL), after authentication, the
@@ -265,11 +267,14 @@ class Gateway:
             content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
             _check_text(content, f"messages[{i}].content")
             messages.append({"role": m.role, "content": content} | ({"name": m.name} if m.name else {}))
+        tok = self.backend.tokenizer
         try:
-            text = self.backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            if self.config.allow_special_tokens:
+                prompts = [tok.encode_prompt(tok.apply_chat_template(messages, add_generation_prompt=True))]
+            else:  # only the template's own markers are special, never text inside a message
+                prompts = [tok.encode_chat(messages, add_generation_prompt=True)]
         except InvalidRequestError as e:
             raise errors.bad_request(str(e), "messages") from e
-        prompts = [self._encode(text, "messages")]
         if body.top_logprobs is not None and not body.logprobs:
             raise errors.bad_request("top_logprobs: requires `logprobs: true`", "top_logprobs")
         field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -52,6 +52,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                         help="UTF-8 bytes of prompt text per request, checked before tokenizing (413 past it)")
     parser.add_argument("--tokenizer-threads", type=int, default=d.tokenizer_threads,
                         help="threads that tokenize prompts and render chat templates off the event loop")
+    parser.add_argument("--allow-special-tokens-in-prompt", action="store_true",
+                        help="trusted deployments: special-token text in prompts and messages (e.g. </s>) acts as "
+                             "the special token; by default it is plain text")
     f = FrontDoorLimits()
     parser.add_argument("--max-header-bytes", type=int, default=f.max_header_bytes,
                         help="bytes of a request head (request line and headers); larger: refused")
@@ -76,6 +79,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          lease_ttl_s=args.lease_ttl, quota_fail_open=args.quota_failure_policy == "open",
                          quota_wait_s=args.quota_wait, max_prompt_bytes=args.max_prompt_bytes,
                          tokenizer_threads=args.tokenizer_threads,
+                         allow_special_tokens=args.allow_special_tokens_in_prompt,
                          frontdoor=FrontDoorLimits(args.max_header_bytes, args.max_headers, args.header_timeout,
                                                    args.max_connections_per_client))
 
