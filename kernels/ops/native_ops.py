@@ -10,14 +10,17 @@ import torch
 from kvrelay.kernels import cpu_native, reference
 from kvrelay.kernels.reference import (
     PackedWeight,
+    fp8_linear,
     gather_blocks,
     int8_matmul,
     paged_prefill_attention,
+    quantize_fp8,
     quantize_int8,
     silu_and_mul,
 )
 
 __all__ = [
+    "fp8_linear",
     "fused_add_rms_norm",
     "gather_blocks",
     "int8_matmul",
@@ -25,6 +28,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "prepack_linear",
+    "quantize_fp8",
     "quantize_int8",
     "rms_norm",
     "rotary_embedding",

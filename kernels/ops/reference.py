@@ -231,7 +231,11 @@ def copy_blocks(dst_cache: torch.Tensor, dst_ids: torch.Tensor, src_cache: torch
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: weight[N, K] -> (int8[N, K], fp32 scale[N])."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    amax = w.abs().amax(dim=1).clamp(min=1e-8)
+    # Divide by a tensor, not the scalar 127: on CUDA torch turns division by a Python scalar into
+    # a multiplication by its reciprocal, which is 1 ulp off the true quotient for some rows (the
+    # Triton kernel divides exactly, as the CPU does).
+    scale = amax / torch.full_like(amax, 127.0)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
@@ -280,3 +284,28 @@ def prepack_linear(weight: torch.Tensor) -> PackedWeight | None:
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x[..., K] @ weight.T (+ bias), the weight given packed."""
     return F.linear(x, unpack_linear_weight(packed), bias)
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row float8_e4m3fn: x[R, K] -> (fp8[R, K], fp32 scale[R]). Rows are a weight's
+    output channels, or an activation's tokens (dynamic per-token scales)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1).clamp(min=1e-12)
+    scale = amax / torch.full_like(amax, FP8_MAX)  # a tensor divisor: see quantize_int8
+    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_linear(
+    x: torch.Tensor, weight_fp8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """W8A8: x[M, K] quantized per token to fp8, times weight_fp8[N, K] (per-row scale[N]), fp32
+    accumulation, (+ bias) in x's dtype. The products are those of the fp8 GEMM on the GPU."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_fp8(x2)
+    out = (xq.float() @ weight_fp8.float().t()) * xs[:, None] * scale.float()[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight_fp8.shape[0])

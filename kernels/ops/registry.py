@@ -40,6 +40,8 @@ OP_NAMES = (
     "scatter_blocks",
     "quantize_int8",
     "int8_matmul",
+    "quantize_fp8",
+    "fp8_linear",
     "prepack_linear",
     "packed_linear",
 )
@@ -59,6 +61,8 @@ class KernelOps:
     scatter_blocks: Callable
     quantize_int8: Callable
     int8_matmul: Callable
+    quantize_fp8: Callable
+    fp8_linear: Callable
     prepack_linear: Callable
     packed_linear: Callable
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from kvrelay.kernels.triton_common import dot_in_fp32, on_device, pow2, rows_2d
+from kvrelay.kernels.triton_common import dot_in_fp32, on_device, pow2, rows_2d, sm_count
 
 
 @triton.jit
@@ -49,21 +49,24 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @triton.jit(do_not_specialize=["M"])  # the token count changes every step
 def _int8_matmul_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
-    M, N, K, x_stride, w_stride, out_stride,
-    HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
+    M, N, K, x_stride, w_stride, out_stride, k_per_split,
+    HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     rk = tl.arange(0, BLOCK_K)
     m_mask = rm < M
     n_mask = rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * x_stride
     w_cols = w_ptr + rn.to(tl.int64)[None, :] * w_stride
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + rk
-        k_mask = k < K
+        k_mask = k < k_end
         x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)  # [K, N] int8
         if DOT_FP32:
@@ -72,10 +75,16 @@ def _int8_matmul_kernel(
             # |w| <= 127 is exact in fp16/bf16, so the tensor-core dot sees the true weight.
             acc = tl.dot(x, w.to(x.dtype), acc)
     acc = acc * tl.load(scale_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    dst = out_ptr + rm.to(tl.int64)[:, None] * out_stride + rn[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if HAS_BIAS:  # noqa: SIM102 - a constexpr test, then a runtime one: Triton prunes the first
+        if split == 0:
+            acc = acc + tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:  # fp32 partial sums [SPLIT_K, M, N], added up by the caller
+        dst = out_ptr + (split * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+        tl.store(dst, acc, mask=mask)
+    else:
+        dst = out_ptr + rm.to(tl.int64)[:, None] * out_stride + rn[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _matmul_config(m: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
@@ -94,8 +103,10 @@ def _matmul_config(m: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]
 
 
 def int8_matmul(
-    x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
+    """Same contract as reference.int8_matmul; split_k overrides the K-split choice."""
     n, k = weight_int8.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the weight expects {k}")
@@ -108,11 +119,25 @@ def int8_matmul(
         return out
     bm, bn, bk, warps, stages = _matmul_config(m, x.dtype)
     bk = min(bk, pow2(k, 16))
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _int8_matmul_kernel[grid](
-        x2, w, on_device(scale, x.device), on_device(bias, x.device) if bias is not None else scale, out2,
-        m, n, k, x2.stride(0), w.stride(0), out2.stride(0),
-        HAS_BIAS=bias is not None, DOT_FP32=dot_in_fp32(x.dtype),
+    grid_mn = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split_k = choose_split_k(grid_mn, k, bk, x.device) if split_k is None else split_k
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
+    target = out2 if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    _int8_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)](
+        x2, w, on_device(scale, x.device), on_device(bias, x.device) if bias is not None else scale, target,
+        m, n, k, x2.stride(0), w.stride(0), out2.stride(0), k_per_split,
+        HAS_BIAS=bias is not None, DOT_FP32=dot_in_fp32(x.dtype), SPLIT_K=split_k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )
+    if split_k > 1:
+        out2.copy_(target.sum(dim=0))
     return out
+
+
+def choose_split_k(programs: int, k: int, block_k: int, device: torch.device) -> int:
+    """Small-M products give too few (M, N) tiles to fill the GPU: split K until there are about two
+    programs per SM, each keeping at least four K tiles."""
+    split = 1
+    while programs * split * 2 <= 2 * sm_count(device) and k // (2 * split * block_k) >= 4:
+        split *= 2
+    return split

@@ -8,6 +8,7 @@ shape class and dtype.
 from kvrelay.kernels.reference import packed_linear, prepack_linear
 from kvrelay.kernels.triton_activation import silu_and_mul
 from kvrelay.kernels.triton_decode_attention import paged_decode_attention
+from kvrelay.kernels.triton_fp8 import fp8_linear, quantize_fp8
 from kvrelay.kernels.triton_int8 import int8_matmul, quantize_int8
 from kvrelay.kernels.triton_kv_cache import gather_blocks, scatter_blocks, write_kv
 from kvrelay.kernels.triton_norm import fused_add_rms_norm, rms_norm
@@ -15,6 +16,7 @@ from kvrelay.kernels.triton_prefill_attention import paged_prefill_attention
 from kvrelay.kernels.triton_rotary import rotary_embedding
 
 __all__ = [
+    "fp8_linear",
     "fused_add_rms_norm",
     "gather_blocks",
     "int8_matmul",
@@ -22,6 +24,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "prepack_linear",
+    "quantize_fp8",
     "quantize_int8",
     "rms_norm",
     "rotary_embedding",

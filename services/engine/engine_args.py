@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvrelay.models import BUNDLED_MODEL
 
+CPU_KV_CACHE_BYTES = 512 * 2**20  # the KV cache on CPU when --kv-cache-memory is not given
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
 
 
@@ -27,10 +28,15 @@ class EngineArgs:
     served_model_name: str | None = None
     dtype: str = "auto"  # auto: the config's torch_dtype (float32 for the bundled model)
     load_format: str = "auto"  # auto | dummy (random weights from config.json alone)
-    quantization: str | None = None  # None | "int8" (weight-only, per output channel)
+    quantization: str | None = None  # None | "int8" (W8A16, per output channel) | "fp8" (W8A8: per channel, per token)
     block_size: int = 16
-    kv_cache_memory: int = 512 * 2**20  # bytes for the paged KV pool
+    kv_cache_memory: int | None = None  # bytes for the paged KV pool; None: see kv_cache_bytes_default
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    gpu_memory_utilization: float = 0.9  # CUDA, without kv_cache_memory: share of the device to use
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    # Detokenize a step's tokens during the next step's forward; None: on CUDA only (on CPU the
+    # forward is synchronous, so there is nothing to overlap with).
+    async_output: bool | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -51,13 +57,32 @@ class EngineArgs:
         )
         parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
         parser.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
-        parser.add_argument("--quantization", default=None, choices=["int8"])
+        parser.add_argument(
+            "--quantization",
+            default=None,
+            choices=["int8", "fp8"],
+            help="int8: weight-only, per output channel; fp8: float8_e4m3fn weights per output channel and "
+            "activations per token (GPUs of compute capability 8.9+; on CPU emulated, for tests)",
+        )
         parser.add_argument("--block-size", type=int, default=d.block_size)
         parser.add_argument(
             "--kv-cache-memory",
             type=parse_bytes,
-            default=d.kv_cache_memory,
-            help="memory for the paged KV cache, e.g. 512MiB",
+            default=None,
+            help="memory for the paged KV cache, e.g. 512MiB (default: 512MiB on CPU; on CUDA what "
+            "--gpu-memory-utilization leaves)",
+        )
+        parser.add_argument(
+            "--gpu-memory-utilization",
+            type=float,
+            default=d.gpu_memory_utilization,
+            help="CUDA: share of the device's memory for weights, activations, graphs and the KV cache, "
+            "which gets the rest (default %(default)s; --kv-cache-memory overrides)",
+        )
+        parser.add_argument(
+            "--enforce-eager",
+            action="store_true",
+            help="CUDA: run every step eagerly (no decode CUDA graphs)",
         )
         parser.add_argument(
             "--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)"

@@ -17,12 +17,15 @@ from pathlib import Path
 import torch
 from kvrelay.engine.block_pool import BlockPool, NoFreeBlocksError
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
-from kvrelay.engine.engine_args import EngineArgs
+from kvrelay.engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
-from kvrelay.engine.model import DecoderModel, StepBatch
+from kvrelay.engine.model import DecoderModel
 from kvrelay.engine.model_config import load_model_config, parse_dtype
 from kvrelay.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from kvrelay.engine.runner.cuda_graphs import bucket_sizes
+from kvrelay.engine.runner.memory import plan_kv_cache
+from kvrelay.engine.runner.model_runner import ModelRunner
 from kvrelay.engine.sampler import sample
 from kvrelay.engine.sampling_params import SamplingParams, defaults_from_generation_config
 from kvrelay.engine.scheduler import Scheduler, SchedulerConfig
@@ -94,15 +97,34 @@ class LLMEngine:
         weights = assemble(self.config, {k: v.to(self.device) for k, v in tensors.items()})
         if args.quantization == "int8":
             quantize_linears(weights, self.ops.quantize_int8)
+        elif args.quantization == "fp8":
+            if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+                raise ValueError("--quantization fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, "
+                                 "Hopper or newer); use --quantization int8 on this GPU")
+            quantize_linears(weights, self.ops.quantize_fp8)
         elif args.quantization is not None:
-            raise ValueError(f"quantization must be None or 'int8', got {args.quantization!r}")
+            raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {args.quantization!r}")
         pack_linears(weights, self.ops.prepack_linear)
         self.model = DecoderModel(self.config, weights, self.ops, self.max_model_len)
 
         cfg = self.config
         bs = args.block_size
         bytes_per_block = cfg.num_layers * 2 * bs * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        num_blocks = args.num_kv_blocks or args.kv_cache_memory // bytes_per_block
+        use_graphs = self.device.type == "cuda" and not args.enforce_eager and self.ops.backend == "triton"
+        if args.num_kv_blocks:
+            num_blocks = args.num_kv_blocks
+        elif args.kv_cache_memory is not None:
+            num_blocks = args.kv_cache_memory // bytes_per_block
+        elif self.device.type == "cuda":
+            plan = plan_kv_cache(
+                self.model, cfg, self.dtype, self.device, args.gpu_memory_utilization, bs,
+                min(args.max_num_batched_tokens, self.max_model_len),
+                bucket_sizes(args.max_num_seqs)[-1] if use_graphs else 1,
+            )
+            log.info("%s", plan.describe())
+            num_blocks = plan.kv_bytes // bytes_per_block
+        else:
+            num_blocks = CPU_KV_CACHE_BYTES // bytes_per_block
         if num_blocks * bs < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), less than one "
@@ -120,6 +142,10 @@ class LLMEngine:
                 # committed at start (not when a pod is already serving) and writing a block never
                 # page-faults mid-step or mid-hand-off (~0.5 ms per 4 MiB of fresh blocks here).
                 self.kv_cache.view(-1).fill_(0)
+        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.max_model_len, args.max_num_seqs,
+                                  args.max_num_batched_tokens)
+        if use_graphs:
+            self.runner.capture_graphs()
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs),
@@ -133,6 +159,10 @@ class LLMEngine:
         # (write_reserved), and while abort() frees a reservation: never freed under a writer.
         self._reserved_lock = threading.Lock()
         self._next_seq_id = 0
+        # CUDA: a step's detokenizing and stop strings run during the next step's forward, whose
+        # launch returns at once; a token that ends its sequence by id or length is final at once.
+        self.defer_outputs = args.async_output if args.async_output is not None else self.device.type == "cuda"
+        self._deferred: list[tuple[Sequence, int, object]] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         log.info(
@@ -249,7 +279,12 @@ class LLMEngine:
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Finish every unfinished sample of the request and free its blocks now."""
         outputs = []
-        for seq in self.requests.pop(request_id, []):
+        seqs = self.requests.pop(request_id, [])
+        pending = set()  # sequences with a token appended in the last step, its output deferred
+        if self._deferred:
+            pending = {d[0] for d in self._deferred if d[0].request_id == request_id}
+            self._deferred = [d for d in self._deferred if d[0] not in pending]
+        for seq in seqs:
             seq.hold_blocks = False
             if seq.finished:
                 self.scheduler.free_blocks(seq)  # blocks held for a hand-off
@@ -260,11 +295,13 @@ class LLMEngine:
             else:
                 self.scheduler.finish(seq, "abort")
             seq.metrics.finished_time = time.monotonic()
+            if seq in pending:  # never reported: dropped, as the synchronous engine drops a token
+                seq.token_ids.pop()  # computed after the client's last output
             outputs.append(self._output(seq, [], seq.detok.take(final=True)))
         return outputs
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._deferred)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -281,78 +318,61 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _build_batch(self, seqs: list[Sequence], num_new: list[int]) -> tuple[StepBatch, list[int]]:
-        bs = self.args.block_size
-        order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)  # decodes first
-        ids, positions, slots = [], [], []
-        dec_tables, dec_lens, pre_tables, pre_lens, pre_starts = [], [], [], [], [0]
-        logits_rows, sample_seqs = [], []
-        for i in order:
-            seq, n = seqs[i], num_new[i]
-            start = seq.num_computed
-            table = seq.block_table
-            if n == 1:  # most rows: no slices, ranges or generators
-                ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-                dec_tables.append(table)
-                dec_lens.append(start + 1)
-            else:
-                ids.extend(seq.token_ids[start : start + n])
-                positions.extend(range(start, start + n))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-                pre_tables.append(table)
-                pre_lens.append(start + n)
-                pre_starts.append(pre_starts[-1] + n)
-            if start + n == seq.num_tokens:  # all known tokens computed: sample the next one
-                logits_rows.append(len(ids) - 1)
-                sample_seqs.append(i)
-
-        def table_tensor(tables: list[list[int]]) -> torch.Tensor:
-            width = max((len(t) for t in tables), default=0)
-            return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(
-                len(tables), width
-            )
-
-        dev = self.device
-        token_rows = torch.tensor([ids, positions, slots], dtype=torch.int64, device=dev)  # one call, not three
-        batch = StepBatch(
-            input_ids=token_rows[0],
-            positions=token_rows[1],
-            slot_mapping=token_rows[2],
-            num_decode=len(dec_lens),
-            decode_block_tables=table_tensor(dec_tables).to(dev),
-            decode_seq_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev),
-            prefill_block_tables=table_tensor(pre_tables).to(dev),
-            prefill_query_start_loc=torch.tensor(pre_starts, dtype=torch.int32, device=dev),
-            prefill_seq_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
-        )
-        return batch, sample_seqs
-
     def step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
         if not step.seqs:
-            return []
+            return self._flush_deferred()
         now = time.monotonic()
         for seq in step.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        batch, sample_idx = self._build_batch(step.seqs, step.num_new)
-        logits = self.model.forward(batch, self.kv_cache)
+        logits, sample_idx = self.runner.execute(step.seqs, step.num_new)
+        # On CUDA the forward is still running: turn the last step's tokens into text meanwhile.
+        outputs = self._flush_deferred()
         bs = self.args.block_size
         for seq, n in zip(step.seqs, step.num_new):
+            if seq.finished:  # ended at a stop string found just now: its blocks are gone already
+                continue
             seq.num_computed += n
             if seq.num_computed // bs > seq.num_registered:  # a block filled up: make it findable
                 self.scheduler.register_full_blocks(seq)
         if not sample_idx:
-            return []
+            return outputs
         to_sample = [step.seqs[i] for i in sample_idx]
         tokens, logprobs = sample(logits, to_sample)
         now = time.monotonic()
-        return [
-            self._append_token(seq, token, lp, now) for seq, token, lp in zip(to_sample, tokens, logprobs)
-        ]
+        for seq, token, lp in zip(to_sample, tokens, logprobs):
+            if seq.finished:
+                continue  # this step computed a token past the stop string: dropped
+            if self.defer_outputs and not self._finishes(seq, token):
+                seq.token_ids.append(token)
+                self.generation_tokens_total += 1
+                if seq.metrics.first_token_time is None:
+                    seq.metrics.first_token_time = now
+                self._deferred.append((seq, token, lp))
+            else:
+                outputs.append(self._append_token(seq, token, lp, now))
+        return outputs
+
+    def _finishes(self, seq: Sequence, token: int) -> bool:
+        """Whether token ends seq by a stop id or its length (stop strings need the text)."""
+        generated = len(seq.token_ids) + 1 - seq.prompt_len
+        return generated >= seq.max_tokens or token in seq.stop_ids and generated >= seq.params.min_tokens
+
+    def _flush_deferred(self) -> list[RequestOutput]:
+        """Text, stop strings and outputs of tokens appended in the last step (defer_outputs)."""
+        if not self._deferred:
+            return []
+        deferred, self._deferred = self._deferred, []
+        outputs = []
+        for seq, token, lp in deferred:
+            if seq.finished:  # aborted since
+                continue
+            stop_string = seq.detok.add_token(token)
+            if stop_string is not None:
+                self._finish(seq, "stop", stop_string, time.monotonic())
+            outputs.append(self._output(seq, [token], seq.detok.take(final=seq.finished), [lp] if lp else None))
+        return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> RequestOutput:
         seq.token_ids.append(token)
@@ -370,13 +390,16 @@ class LLMEngine:
         if reason is None and generated >= seq.max_tokens:
             reason = "length"
         if reason is not None:
-            self.scheduler.finish(seq, reason, stop_reason)
-            seq.metrics.finished_time = now
-            if all(s.finished for s in self.requests.get(seq.request_id, [])) and not seq.hold_blocks:
-                self.requests.pop(seq.request_id, None)
+            self._finish(seq, reason, stop_reason, now)
         return self._output(
             seq, [token], seq.detok.take(final=reason is not None), [logprob] if logprob else None
         )
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason, now: float) -> None:
+        self.scheduler.finish(seq, reason, stop_reason)
+        seq.metrics.finished_time = now
+        if all(s.finished for s in self.requests.get(seq.request_id, [])) and not seq.hold_blocks:
+            self.requests.pop(seq.request_id, None)
 
     # ---- prefill/decode hand-off ------------------------------------------------------------
 

@@ -40,6 +40,8 @@ class DecoderModel:
 
     def _linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.scale is not None:
+            if lin.weight.dtype == torch.float8_e4m3fn:
+                return self.ops.fp8_linear(x, lin.weight, lin.scale, lin.bias)
             return self.ops.int8_matmul(x, lin.weight, lin.scale, lin.bias)
         if lin.packed is not None:
             return self.ops.packed_linear(x, lin.packed, lin.bias)

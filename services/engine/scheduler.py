@@ -95,6 +95,7 @@ class Scheduler:
     def free_blocks(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)
         seq.block_table = []
+        seq.table_epoch += 1
         seq.num_computed = 0
         seq.num_registered = 0
 

@@ -33,7 +33,8 @@ class Sequence:
     metrics: RequestMetrics
     rng: random.Random | None = None  # sampled (not greedy) sequences: one uniform per token
     status: Status = Status.WAITING
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # only ever appended to, or replaced after
+    table_epoch: int = 0  # bumped when the blocks are freed (the model runner's cached row is stale)
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_hashes: list[int] = field(default_factory=list)  # keys of full blocks, computed lazily
     num_registered: int = 0  # leading blocks registered in the prefix cache

@@ -23,7 +23,7 @@ class Linear:
 
     weight: torch.Tensor | None
     bias: torch.Tensor | None = None
-    scale: torch.Tensor | None = None  # set when weight is int8
+    scale: torch.Tensor | None = None  # set when weight is int8 or float8_e4m3fn
     packed: PackedWeight | None = None
 
 
@@ -183,11 +183,12 @@ def assemble(config: ModelConfig, t: dict[str, torch.Tensor]) -> ModelWeights:
     )
 
 
-def quantize_linears(weights: ModelWeights, quantize_int8) -> None:
-    """Replace every projection inside the decoder layers with int8 weights + per-row scales."""
+def quantize_linears(weights: ModelWeights, quantize) -> None:
+    """Replace every projection inside the decoder layers with quantized (int8 or fp8) weights +
+    per-row scales; quantize is the kernel op (quantize_int8 or quantize_fp8)."""
     for layer in weights.layers:
         for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-            lin.weight, lin.scale = quantize_int8(lin.weight)
+            lin.weight, lin.scale = quantize(lin.weight)
 
 
 def pack_linears(weights: ModelWeights, prepack_linear) -> None:

@@ -140,7 +140,9 @@ def load_tenants(args: argparse.Namespace) -> TenantRegistry:
 def start_worker(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """`kvrelay prefill|decode --port 0` on loopback; returns the process and its address."""
     cmd = [sys.executable, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", "0", "--model", args.model,
-           "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory)]
+           "--max-num-seqs", str(args.max_num_seqs)]
+    if args.kv_cache_memory is not None:
+        cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.served_model_name:
         cmd += ["--served-model-name", args.served_model_name]
     if role == "decode":

@@ -57,3 +57,20 @@ def test_int8_matmul_rejects_wrong_in_features():
     weight_q, scale = reference.quantize_int8(randn((4, 16), torch.float32, 0))
     with pytest.raises(ValueError, match="input features"):
         int8_matmul(torch.zeros((2, 8)), weight_q, scale)
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_matmul_split_k_adds_up_the_same(split_k, with_bias):
+    """Small-M products split K over programs (fp32 partial sums); bias is added once."""
+    from kvrelay.kernels.triton_int8 import choose_split_k
+
+    n, k = 40, 400
+    weight_q, scale = reference.quantize_int8(randn((n, k), torch.float32, 0))
+    x = randn((3, k), torch.bfloat16, 1)
+    bias = randn((n,), torch.bfloat16, 2) if with_bias else None
+    got = int8_matmul(x, weight_q, scale, bias, split_k=split_k)
+    torch.testing.assert_close(got, int8_matmul(x, weight_q, scale, bias, split_k=1), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, reference.int8_matmul(x, weight_q, scale, bias), rtol=2e-2, atol=2e-2)
+    # 132 SMs (an H200) and 64 tiles of a 4096-wide layer at M=1: split to about two programs per SM.
+    assert choose_split_k(64, 4096, 128, torch.device("cpu")) == 1  # CPU counts 4 SMs

@@ -1,0 +1,484 @@
+"""The GPU fast path on one device, in one run: parity, decode step time, throughput, kernels.
+
+    python3 benchmarks/gpu_engine.py               # one H200: a few minutes; installs nothing
+    python3 benchmarks/gpu_engine.py --cpu-smoke   # no GPU: tiny shapes, checks that every section runs
+
+Runs on a bare GPU machine with torch, triton and transformers: kvrelay is mapped from the checkout
+(benchmarks/package_map.py). Sections (--only parity,step,throughput,kernels):
+- parity: stories260K greedy on the device, with decode CUDA graphs and with --enforce-eager, against
+  the CPU torch path;
+- step: one decode step's wall time against the GPU's busy time (kernel time from torch.profiler, and
+  the graph's replay alone), graphs on and off, at 128 sequences of ~512 tokens and 16 of ~2048;
+- throughput: Llama-3.2-1B shapes (random bf16 weights), 128 requests, prompts 32-1024, outputs
+  32-256, EOS ignored: kvrelay with graphs, eager, and HF generate in a padded batch of 32 on the
+  same weights;
+- kernels: decode attention (with a split-count sweep at batch 1), prefill attention against SDPA,
+  int8 W8A16 and FP8 W8A8 (torch._scaled_mm, rowwise scales) against bf16 F.linear.
+Each section reports its own failure and the run goes on; the summary comes last. With $OUT set, the
+figures also go to $OUT/gpu_engine.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import write_word_tokenizer
+from package_map import ROOT, map_kvrelay
+
+LLAMA_1B = {  # Llama-3.2-1B's shapes
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+    "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 64, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+TINY = LLAMA_1B | {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                   "max_position_embeddings": 256, "torch_dtype": "float32"}
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park. They saw", "One day, a big"]
+
+
+class Report:
+    def __init__(self):
+        self.lines: list[str] = []
+        self.data: dict = {}
+
+    def add(self, key: str, value, line: str) -> None:
+        self.data[key] = value
+        self.lines.append(line)
+        print(line, flush=True)
+
+
+def make_1b_dir(path: Path, config: dict, device: str) -> Path:
+    """config.json, a word tokenizer, and random HF weights initialised on the device (fast)."""
+    import torch
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(hf_config).to(getattr(torch, config["torch_dtype"]))
+    model.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(config))
+    write_word_tokenizer(path, config["vocab_size"])
+    del model
+    return path
+
+
+def engine_for(model_dir, device: str, **kw):
+    from kvrelay.engine.engine_args import EngineArgs
+    from kvrelay.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineArgs(model=str(model_dir), device=device, **kw))
+
+
+def greedy_tokens(engine, prompts, n: int) -> list[list[int]]:
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), f"p{i}")
+    out = {f"p{i}": [] for i in range(len(prompts))}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[f"p{i}"] for i in range(len(prompts))]
+
+
+# ---- sections ---------------------------------------------------------------------------------
+
+
+def section_parity(rep: Report, device: str, smoke: bool) -> None:
+    from kvrelay.models import BUNDLED_MODEL
+
+    n = 48
+    want = greedy_tokens(engine_for(BUNDLED_MODEL, "cpu", kernel_backend="torch"), PROMPTS, n)
+    modes = {"eager": {"enforce_eager": True}} if smoke else {"graphs": {}, "eager": {"enforce_eager": True}}
+    for name, kw in modes.items():
+        engine = engine_for(BUNDLED_MODEL, device, kv_cache_memory=64 * 2**20, max_num_seqs=16, **kw)
+        got = greedy_tokens(engine, PROMPTS, n)
+        same = sum(g == w for g, w in zip(got, want))
+        graph_steps = engine.runner.graph_steps
+        rep.add(f"parity_{name}", {"identical": same, "of": len(PROMPTS), "graph_steps": graph_steps},
+                f"parity stories260K greedy, {device} {name}: {same}/{len(PROMPTS)} identical to CPU torch "
+                f"({graph_steps} graph steps)")
+
+
+def _prefill_all(engine, nseq: int, ctx: int, extra: int, vocab: int, seed: int) -> None:
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    for i in range(nseq):
+        ids = [rng.randrange(3, vocab) for _ in range(ctx)]
+        engine.add_request(ids, SamplingParams(max_tokens=extra, temperature=0.0, ignore_eos=True), f"s{i}")
+    while engine.scheduler.waiting or any(s.num_computed < s.prompt_len for s in engine.scheduler.running):
+        engine.step()
+
+
+def _kernel_ms(prof, steps: int) -> float:
+    import torch
+
+    total_us = 0.0
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            total_us += getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)
+    return total_us / 1e3 / steps
+
+
+def section_step(rep: Report, engine, vocab: int, cases, cuda: bool) -> None:
+    import torch
+
+    runner = engine.runner
+    captured = runner.graphs
+    for nseq, ctx in cases:
+        for mode in ("graphs", "eager") if captured is not None else ("eager",):
+            runner.graphs = captured if mode == "graphs" else None
+            steps, prof_steps = (30, 5) if cuda else (3, 0)
+            _prefill_all(engine, nseq, ctx, steps + prof_steps + 8, vocab, seed=nseq)
+            for _ in range(3):
+                engine.step()
+            before = runner.graph_steps
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            wall = (time.perf_counter() - start) * 1e3 / steps
+            gpu = replay = None
+            if cuda:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(prof_steps):
+                        engine.step()
+                    torch.cuda.synchronize()
+                gpu = _kernel_ms(prof, prof_steps)
+                if mode == "graphs":
+                    size = runner.graphs.bucket(nseq)
+                    graph = runner.graphs.graphs[size][0]
+                    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    t0.record()
+                    for _ in range(20):
+                        graph.replay()
+                    t1.record()
+                    torch.cuda.synchronize()
+                    replay = t0.elapsed_time(t1) / 20
+            for rid in list(engine.requests):
+                engine.abort(rid)
+            used = runner.graph_steps - before
+            ratio = f"{wall / gpu:.2f}x" if gpu else "-"
+            rep.add(f"step_{nseq}x{ctx}_{mode}",
+                    {"wall_ms": wall, "gpu_kernel_ms": gpu, "replay_ms": replay, "graph_steps": used},
+                    f"decode step {nseq} seqs x ~{ctx} tokens, {mode}: wall {wall:.2f} ms, GPU kernels "
+                    f"{gpu if gpu is None else round(gpu, 3)} ms, graph replay alone "
+                    f"{replay if replay is None else round(replay, 3)} ms, wall/GPU {ratio} "
+                    f"({used}/{steps} steps on a graph)")
+        runner.graphs = captured
+
+
+def section_throughput(rep: Report, engine, model_dir: Path, reqs, hf_batch: int, cuda: bool) -> None:
+    import torch
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    runner = engine.runner
+    captured = runner.graphs
+    budget = engine.scheduler.config.max_num_batched_tokens  # the engine is built for the largest
+    rates = {}
+    modes = [("graphs", 2048), ("eager", 2048), ("graphs", budget)] if captured is not None else [("eager", 2048)]
+    for mode, tokens in modes:
+        runner.graphs = captured if mode == "graphs" else None
+        engine.scheduler.config.max_num_batched_tokens = tokens
+        start = time.perf_counter()
+        for i, (ids, n) in enumerate(reqs):
+            engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), f"t{i}")
+        generated = 0
+        while engine.has_work():
+            generated += sum(len(o.new_token_ids) for o in engine.step())
+        seconds = time.perf_counter() - start
+        key = mode if tokens == 2048 else f"{mode}_{tokens}"
+        rates[key] = generated / seconds
+        rep.add(f"throughput_{key}", {"tokens": generated, "seconds": seconds, "tok_s": rates[key]},
+                f"throughput kvrelay {mode}, {tokens}-token step budget: {generated} tokens in {seconds:.2f} s = "
+                f"{rates[key]:,.0f} tok/s")
+    runner.graphs = captured
+    engine.scheduler.config.max_num_batched_tokens = budget
+    if not hf_batch:
+        return
+    import transformers
+
+    dtype = engine.dtype
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(engine.device).eval()
+    batch = reqs[:hf_batch]
+    width = max(len(ids) for ids, _ in batch)
+    new = max(n for _, n in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=engine.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=engine.device)
+    with torch.no_grad():
+        hf.generate(ids[:, -8:], attention_mask=mask[:, -8:], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                    pad_token_id=0)
+        if cuda:
+            torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    useful = sum(n for _, n in batch)
+    hf_rate = useful / seconds
+    best = max(rates.values())
+    rep.add("throughput_hf", {"tokens": useful, "seconds": seconds, "tok_s": hf_rate},
+            f"throughput HF generate, one padded batch of {len(batch)}: {useful} useful tokens in {seconds:.2f} s "
+            f"= {hf_rate:,.0f} tok/s; kvrelay best {best:,.0f} tok/s = {best / hf_rate:.1f}x")
+    del hf
+
+
+def section_kernels(rep: Report, smoke: bool) -> None:
+    import torch
+    import torch.nn.functional as F
+    from kernels_gpu import Bench, bench_decode, bench_int8, bench_prefill
+    from kvrelay.kernels import reference as ref
+    from kvrelay.kernels import triton_decode_attention as tda
+    from kvrelay.kernels.registry import get_ops
+
+    device = torch.device("cpu" if smoke else "cuda")
+    ops = get_ops("triton")
+    bench = Bench(device, torch.bfloat16, smoke, 4800.0, 989.0, 25)
+    with torch.inference_mode():
+        # Decode: the split count at small batch, then the default choice at the issue's shapes.
+        sweep_shapes = [(1, 40, 4, 2, 64)] if smoke else [(1, 4096, 32, 8, 128), (4, 4096, 32, 8, 128)]
+        default = tda.choose_num_splits
+        for splits in (1, 2) if smoke else (4, 8, 16, 32, 64):
+            tda.choose_num_splits = lambda *a, s=splits: s
+            bench.tag = f"[splits={splits}]"
+            bench_decode(bench, ops, ref, sweep_shapes)
+        tda.choose_num_splits = default
+        bench.tag = ""
+        bench_decode(bench, ops, ref, [(2, 40, 4, 2, 64)] if smoke else [
+            (1, 4096, 32, 8, 128), (32, 4096, 32, 8, 128), (64, 4096, 32, 8, 128), (128, 1024, 32, 8, 128)])
+        bench_prefill(bench, ops, ref, [(2, 8, 20, 4, 2, 64)] if smoke else [
+            (1, 0, 4096, 32, 8, 128), (1, 0, 8192, 32, 8, 128), (1, 0, 4096, 32, 8, 64), (1, 0, 8192, 32, 8, 64)])
+        bench_int8(bench, ops, ref, [(3, 40, 64)] if smoke else [(1, 4096, 4096), (16, 4096, 4096),
+                                                                 (64, 4096, 4096)])
+    for r in bench.rows:
+        rep.data.setdefault("kernels", []).append(r.__dict__)
+    if not smoke:
+        section_decode_kernel_only(rep, ops)
+        section_linear_kernel_only(rep, ops)
+    if not smoke and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability() >= (8, 9):
+        m = n = k = 4096
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        w_scale = w.abs().amax(dim=1, keepdim=True).float() / 448.0
+        w8 = (w / w_scale).to(torch.float8_e4m3fn)
+
+        def fp8_linear():
+            x_scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 448.0
+            x8 = (x / x_scale).to(torch.float8_e4m3fn)
+            return torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16)
+
+        import triton.testing
+
+        x_scale = x.abs().amax(dim=1, keepdim=True).float() / 448.0
+        x8 = (x / x_scale).to(torch.float8_e4m3fn)
+        t_gemm = triton.testing.do_bench(
+            lambda: torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16),
+            warmup=10, rep=50)
+        got, want = fp8_linear(), F.linear(x, w)
+        rel = float((got.float() - want.float()).norm() / want.float().norm())
+        t_fp8 = triton.testing.do_bench(fp8_linear, warmup=10, rep=50)
+        t_bf16 = triton.testing.do_bench(lambda: F.linear(x, w), warmup=10, rep=50)
+        flops = 2 * m * n * k
+        rep.add("fp8_4096_gemm", {"fp8_gemm_ms": t_gemm},
+                f"fp8 GEMM alone (_scaled_mm, rowwise scales) M=N=K=4096: {t_gemm:.3f} ms "
+                f"{flops / t_gemm / 1e9:.0f} TFLOP/s = {t_bf16 / t_gemm:.2f}x bf16")
+        rep.add("fp8_4096", {"fp8_ms": t_fp8, "bf16_ms": t_bf16, "rel_err": rel},
+                f"fp8 W8A8 M=N=K=4096 (dynamic per-token activation scales included): {t_fp8:.3f} ms "
+                f"{flops / t_fp8 / 1e9:.0f} TFLOP/s vs bf16 {t_bf16:.3f} ms = {t_bf16 / t_fp8:.2f}x, rel err {rel:.1e}")
+
+
+def kernel_only_ms(fn, iters: int = 20) -> float:
+    """Device time of fn's kernels alone (torch.profiler), the L2 flushed before each call: at small
+    shapes do_bench's events also count the host's launch gaps, which a CUDA graph removes."""
+    import torch
+
+    flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and "Fill" not in e.name:
+            total_us += getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)
+    return total_us / 1e3 / iters
+
+
+def _decode_kernel_case(rep: Report, ops, batch: int, context: int) -> None:
+    import torch
+    import torch.nn.functional as F
+    from kernels_gpu import contiguous_kv, paged_inputs
+
+    heads, kv_heads, dim = 32, 8, 128
+    k_cache, v_cache, tables = paged_inputs(torch, batch, context, 16, kv_heads, dim, torch.bfloat16, "cuda")
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn((batch, heads, dim), device="cuda").to(torch.bfloat16)
+    gbs = 2 * batch * context * kv_heads * dim * 2 / 1e6  # GB/s at 1 ms
+    times = {}
+    for splits in (None, 1, 2, 4, 8, 16, 32, 64):
+        times[splits] = kernel_only_ms(
+            lambda s=splits: ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, num_splits=s))
+    k, v = contiguous_kv(k_cache, tables, context), contiguous_kv(v_cache, tables, context)
+    sdpa = kernel_only_ms(lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True))
+    best = min((t, s) for s, t in times.items() if s is not None)
+    auto = times[None]
+    rep.add(f"decode_kernel_only_{batch}x{context}", {"auto_ms": auto, "by_splits": times, "sdpa_ms": sdpa},
+            f"decode attention kernels alone B={batch} ctx={context} H=32/8 D=128: auto {auto * 1e3:.1f} us "
+            f"({gbs / auto:.0f} GB/s, {100 * gbs / auto / 4800:.0f}% of 4.8 TB/s); best splits={best[1]} "
+            f"{best[0] * 1e3:.1f} us ({100 * gbs / best[0] / 4800:.0f}%); SDPA on contiguous K/V {sdpa * 1e3:.1f} us "
+            f"({100 * gbs / sdpa / 4800:.0f}%)")
+
+
+def section_decode_kernel_only(rep: Report, ops) -> None:
+    for batch, context in ((1, 4096), (4, 4096), (32, 4096), (64, 4096)):
+        _decode_kernel_case(rep, ops, batch, context)
+
+
+def section_fp8_engine(rep: Report, bf16_engine, model_dir: Path, reqs, device: str) -> None:
+    """--quantization fp8 on the same weights: throughput with graphs, and how many greedy tokens
+    agree with the bf16 engine (W8A8 perturbs logits; random weights make near-ties common)."""
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    memory = 16 * 2**30 if device == "cuda" else 64 * 2**20
+    engine = engine_for(model_dir, device, quantization="fp8", kv_cache_memory=memory, max_num_seqs=256,
+                        max_num_batched_tokens=8192)
+    start = time.perf_counter()
+    for i, (ids, n) in enumerate(reqs):
+        engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), f"f{i}")
+    generated = 0
+    while engine.has_work():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    seconds = time.perf_counter() - start
+    prompts = [ids for ids, _ in reqs[:8]]
+    a, b = greedy_tokens(bf16_engine, prompts, 16), greedy_tokens(engine, prompts, 16)
+    agree = sum(x == y for p, q in zip(a, b) for x, y in zip(p, q))
+    rep.add("throughput_fp8", {"tokens": generated, "seconds": seconds, "tok_s": generated / seconds,
+                               "greedy_agree": agree},
+            f"throughput kvrelay fp8 W8A8, graphs, 8192-token budget: {generated / seconds:,.0f} tok/s; greedy "
+            f"tokens agreeing with bf16: {agree}/{sum(map(len, a))}")
+    del engine
+
+
+def section_linear_kernel_only(rep: Report, ops) -> None:
+    """int8 W8A16 and fp8 W8A8 (quantization of the activations included) against bf16 F.linear, kernels
+    alone, N=K=4096."""
+    import torch
+    import torch.nn.functional as F
+    from kvrelay.kernels import reference as ref
+
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    wq, ws = ops.quantize_int8(w)
+    w8, w8s = ops.quantize_fp8(w)
+    rq, rs = ref.quantize_fp8(w)
+    exact = torch.equal(w8.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(w8s, rs)
+    rep.add("quantize_fp8_exact", exact, f"quantize_fp8 on GPU bit-identical to its reference: {exact}")
+    for m in (1, 16, 64, 4096):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        t_bf16 = kernel_only_ms(lambda x=x: F.linear(x, w))
+        t_int8 = kernel_only_ms(lambda x=x: ops.int8_matmul(x, wq, ws))
+        t_fp8 = kernel_only_ms(lambda x=x: ops.fp8_linear(x, w8, w8s))
+        rel = float((ops.fp8_linear(x, w8, w8s).float() - F.linear(x, w).float()).norm()
+                    / F.linear(x, w).float().norm())
+        rep.add(f"linear_{m}", {"bf16_ms": t_bf16, "int8_ms": t_int8, "fp8_ms": t_fp8, "fp8_rel_err": rel},
+                f"linear M={m} N=K=4096, kernels alone: bf16 {t_bf16 * 1e3:.1f} us, int8 W8A16 {t_int8 * 1e3:.1f} us "
+                f"({t_bf16 / t_int8:.2f}x), fp8 W8A8 {t_fp8 * 1e3:.1f} us ({t_bf16 / t_fp8:.2f}x, rel err {rel:.1e})")
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: every section runs, no timing")
+    p.add_argument("--only", default="parity,step,throughput,fp8,kernels")
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline (~25 s on an H200)")
+    args = p.parse_args(argv)
+    smoke = args.cpu_smoke
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is imported
+    map_kvrelay()
+    import torch
+
+    cuda = torch.cuda.is_available() and not smoke
+    if not cuda and not smoke:
+        print("no CUDA device: run with --cpu-smoke", file=sys.stderr)
+        return 2
+    device = "cuda" if cuda else "cpu"
+    sections = set(args.only.split(","))
+    rep = Report()
+    print(f"# {torch.cuda.get_device_name() if cuda else 'CPU smoke run (figures meaningless)'}; torch "
+          f"{torch.__version__}; kvrelay from {ROOT}", flush=True)
+    failures = []
+
+    def run(name, fn, *a):
+        started = time.perf_counter()
+        try:
+            fn(*a)
+        except Exception:  # noqa: BLE001 - one broken section must not cost the others their run
+            failures.append(name)
+            traceback.print_exc()
+        print(f"# section {name}: {time.perf_counter() - started:.1f} s", flush=True)
+
+    if "parity" in sections:
+        run("parity", section_parity, rep, device, smoke)
+    if sections & {"step", "throughput"}:
+        config = TINY if smoke else LLAMA_1B
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = make_1b_dir(Path(tmp) / "model", config, device)
+            kw = {"max_num_seqs": 256, "max_num_batched_tokens": 2048 if smoke else 8192}
+            if smoke:
+                kw |= {"kv_cache_memory": 64 * 2**20, "max_num_seqs": 16}
+            else:
+                kw["gpu_memory_utilization"] = 0.5  # the HF baseline shares the device
+            started = time.perf_counter()
+            engine = engine_for(model_dir, device, **kw)
+            rep.add("engine_start_s", time.perf_counter() - started,
+                    f"1B-shape engine ready in {time.perf_counter() - started:.1f} s: {engine.pool.num_blocks} KV "
+                    f"blocks; graphs {'captured' if engine.runner.graphs else 'off'}")
+            vocab = config["vocab_size"]
+            if "step" in sections:
+                cases = [(4, 40), (2, 100)] if smoke else [(128, 512), (16, 2048)]
+                run("step", section_step, rep, engine, vocab, cases, cuda)
+            rng = random.Random(0)
+            n = 6 if smoke else args.requests
+            prompt_range, out_range = ((4, 40), (2, 8)) if smoke else ((32, 1024), (32, 256))
+            reqs = [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))],
+                     rng.randint(*out_range)) for _ in range(n)]
+            if "throughput" in sections:
+                hf_batch = 0 if args.no_hf else 4 if smoke else 32
+                run("throughput", section_throughput, rep, engine, model_dir, reqs, hf_batch, cuda)
+            if "fp8" in sections:
+                run("fp8_engine", section_fp8_engine, rep, engine, model_dir, reqs, device)
+            del engine
+    if "kernels" in sections:
+        run("kernels", section_kernels, rep, smoke)
+
+    print("\n# summary")
+    for line in rep.lines:
+        print(line)
+    print(f"# failed sections: {', '.join(failures) or 'none'}")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "gpu_engine.json").write_text(json.dumps(rep.data, indent=1, default=str))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

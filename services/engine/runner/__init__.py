@@ -1,0 +1,1 @@
+"""Model runner: persistent step inputs, CUDA graphs, memory planning."""

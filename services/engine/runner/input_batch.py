@@ -1,0 +1,223 @@
+"""The persistent input batch: a step's token rows and block tables, built with numpy in
+preallocated (pinned, on CUDA) host memory and sent to the device in one non-blocking copy.
+
+Each sequence keeps a row of a host block table for as long as it lives; a step writes only the
+block ids appended since the last step (one, when a decode crosses a block boundary), so no step
+turns Python lists into tensors. Row contents are trusted until `Sequence.table_epoch` changes:
+the scheduler bumps it whenever it frees a sequence's blocks, the only way a table is replaced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from kvrelay.engine.model import StepBatch
+from kvrelay.engine.sequence import Sequence, Status
+
+_ALIGN = 16  # bytes: every typed region starts aligned for int64 views
+
+
+class BlockTableRows:
+    """A host table [capacity, max_blocks] int32 with one row per live sequence."""
+
+    def __init__(self, max_blocks: int, capacity: int = 64):
+        self.max_blocks = max_blocks
+        self.table = np.zeros((capacity, max_blocks), dtype=np.int32)
+        # seq -> [row, table_epoch, blocks written]
+        self._rows: dict[Sequence, list[int]] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def row(self, seq: Sequence) -> int:
+        """seq's row, brought up to date with seq.block_table."""
+        entry = self._rows.get(seq)
+        if entry is None:
+            entry = self._rows[seq] = [self._take_row(), seq.table_epoch, 0]
+        table = seq.block_table
+        if entry[1] != seq.table_epoch or entry[2] > len(table):
+            entry[1], entry[2] = seq.table_epoch, 0
+        written = entry[2]
+        if written < len(table):
+            if len(table) > self.max_blocks:
+                raise ValueError(f"sequence holds {len(table)} blocks, more than max_model_len allows")
+            if len(table) - written == 1:
+                self.table[entry[0], written] = table[written]
+            else:
+                self.table[entry[0], written : len(table)] = table[written:]
+            entry[2] = len(table)
+        return entry[0]
+
+    def _take_row(self) -> int:
+        if not self._free:
+            self._sweep()
+        if not self._free:  # every row live: grow
+            old = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self._free = list(range(2 * old - 1, old - 1, -1))
+        return self._free.pop()
+
+    def _sweep(self) -> None:
+        """Give back rows of sequences that finished (or wait, preempted: rewritten on return)."""
+        for seq in [s for s in self._rows if s.status in (Status.FINISHED, Status.WAITING)]:
+            self._free.append(self._rows.pop(seq)[0])
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+class Staging:
+    """One host byte buffer carved into typed regions per step, and its device twin."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.device = device
+        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.host_np = self.host.numpy()
+        # On CPU the step reads the host buffer itself: nothing to send.
+        self.dev = self.host if device.type == "cpu" else torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.used = 0
+
+    def reset(self) -> None:
+        self.used = 0
+
+    def take(self, count: int, dtype: np.dtype) -> tuple[np.ndarray, int]:
+        """A host region of count elements, and its byte offset."""
+        dtype = np.dtype(dtype)
+        offset = self.used
+        end = offset + count * dtype.itemsize
+        if end > self.host_np.shape[0]:
+            raise ValueError(f"step inputs need {end} bytes, more than the {self.host_np.shape[0]} reserved")
+        self.used = -(-end // _ALIGN) * _ALIGN
+        return self.host_np[offset:end].view(dtype), offset
+
+    def send(self) -> None:
+        if self.dev is not self.host:
+            self.dev[: self.used].copy_(self.host[: self.used], non_blocking=True)
+
+    def device_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        count = 1
+        for n in shape:
+            count *= n
+        return self.dev[offset : offset + count * dtype.itemsize].view(dtype).view(shape)
+
+
+@dataclass
+class BuiltStep:
+    batch: StepBatch
+    sample_idx: list[int]  # positions in the scheduled list of sequences that sample a token
+    num_real: int  # decode rows before padding (graph steps); all rows otherwise
+
+
+class InputBatch:
+    """Builds StepBatch for the scheduled sequences: decodes first, then packed prefill chunks."""
+
+    def __init__(self, block_size: int, max_model_len: int, max_num_seqs: int, max_num_tokens: int,
+                 device: torch.device):
+        self.bs = block_size
+        self.device = device
+        self.max_blocks = -(-max_model_len // block_size)
+        self.tables = BlockTableRows(self.max_blocks, capacity=max(64, max_num_seqs))
+        rows = max_num_seqs
+        nbytes = 8 * (4 * max_num_tokens + rows) + 4 * (rows * self.max_blocks + 3 * rows + 2) + 16 * _ALIGN
+        self.staging = Staging(nbytes, device)
+
+    def build(self, seqs: list[Sequence], num_new: list[int], pad_decode_to: int | None = None) -> BuiltStep:
+        """pad_decode_to: a decode-only step padded to this many rows (CUDA graph buckets); padding
+        rows write no K/V (slot -1) and attend to nothing (length 0)."""
+        bs = self.bs
+        dec, pre = [], []
+        for i, n in enumerate(num_new):
+            (dec if n == 1 else pre).append(i)
+        nd = len(dec)
+        rows_dec = np.fromiter((self.tables.row(seqs[i]) for i in dec), dtype=np.int64, count=nd)
+        pos_dec = np.fromiter((seqs[i].num_computed for i in dec), dtype=np.int64, count=nd)
+        ids_dec = np.fromiter((seqs[i].token_ids[seqs[i].num_computed] for i in dec), dtype=np.int64, count=nd)
+        pad = 0 if pad_decode_to is None else pad_decode_to - nd
+        if pad < 0 or pad and pre:
+            raise ValueError("only a decode-only step is padded, and never to fewer rows than it has")
+
+        # Prefill chunks: token rows packed one sequence after another.
+        pre_rows = [self.tables.row(seqs[i]) for i in pre]
+        pre_starts = np.fromiter((seqs[i].num_computed for i in pre), dtype=np.int64, count=len(pre))
+        pre_counts = np.fromiter((num_new[i] for i in pre), dtype=np.int64, count=len(pre))
+        num_pre_tokens = int(pre_counts.sum())
+        total = nd + pad + num_pre_tokens
+
+        st = self.staging
+        st.reset()
+        tok, tok_off = st.take(3 * total, np.int64)
+        ids, positions, slots = tok[:total], tok[total : 2 * total], tok[2 * total :]
+        ids[:nd], positions[:nd] = ids_dec, pos_dec
+        tables = self.tables.table
+        if nd:
+            slots[:nd] = tables[rows_dec, pos_dec // bs].astype(np.int64) * bs + pos_dec % bs
+        if pad:
+            ids[nd : nd + pad] = 0
+            positions[nd : nd + pad] = 0
+            slots[nd : nd + pad] = -1
+        if pre:
+            seq_of_token = np.repeat(np.arange(len(pre)), pre_counts)
+            first = np.cumsum(pre_counts) - pre_counts
+            pos = pre_starts[seq_of_token] + (np.arange(num_pre_tokens) - first[seq_of_token])
+            positions[nd:] = pos
+            row_of_token = np.asarray(pre_rows, dtype=np.int64)[seq_of_token]
+            slots[nd:] = tables[row_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+            ids[nd:] = np.concatenate(
+                [seqs[i].token_ids[s : s + c] for i, s, c in zip(pre, pre_starts.tolist(), pre_counts.tolist())]
+            )
+
+        # Rows whose step reaches the last known token sample the next one; a prefill row's logits
+        # come from its chunk's last token.
+        sample_idx, logits_rows = [], []
+        for r, i in enumerate(dec):
+            if seqs[i].num_computed + 1 == seqs[i].num_tokens:
+                sample_idx.append(i)
+                logits_rows.append(r)
+        ends = (nd + pad + np.cumsum(pre_counts) - 1).tolist()
+        for k, i in enumerate(pre):
+            if seqs[i].num_computed + num_new[i] == seqs[i].num_tokens:
+                sample_idx.append(i)
+                logits_rows.append(ends[k])
+        num_logits = len(logits_rows) + pad
+        lg, lg_off = st.take(num_logits, np.int64)
+        lg[: len(logits_rows)] = logits_rows
+        if pad:
+            lg[len(logits_rows) :] = np.arange(nd, nd + pad)
+
+        rows_d = nd + pad
+        wd = max((len(seqs[i].block_table) for i in dec), default=0)
+        wp = max((len(seqs[i].block_table) for i in pre), default=0)
+        dbt, dbt_off = st.take(rows_d * wd, np.int32)
+        dbt = dbt.reshape(rows_d, wd)
+        if nd and wd:
+            dbt[:nd] = tables[rows_dec, :wd]
+        if pad and wd:
+            dbt[nd:] = 0
+        dlen, dlen_off = st.take(rows_d, np.int32)
+        dlen[:nd] = pos_dec + 1
+        dlen[nd:] = 0
+        pbt, pbt_off = st.take(len(pre) * wp, np.int32)
+        if pre and wp:
+            pbt.reshape(len(pre), wp)[:] = tables[np.asarray(pre_rows), :wp]
+        pqsl, pqsl_off = st.take(len(pre) + 1, np.int32)
+        pqsl[0] = 0
+        pqsl[1:] = np.cumsum(pre_counts)
+        plen, plen_off = st.take(len(pre), np.int32)
+        plen[:] = pre_starts + pre_counts
+        st.send()
+
+        v = st.device_view
+        tok_dev = v(tok_off, (3, total), torch.int64)
+        batch = StepBatch(
+            input_ids=tok_dev[0],
+            positions=tok_dev[1],
+            slot_mapping=tok_dev[2],
+            num_decode=rows_d,
+            decode_block_tables=v(dbt_off, (rows_d, wd), torch.int32),
+            decode_seq_lens=v(dlen_off, (rows_d,), torch.int32),
+            prefill_block_tables=v(pbt_off, (len(pre), wp), torch.int32),
+            prefill_query_start_loc=v(pqsl_off, (len(pre) + 1,), torch.int32),
+            prefill_seq_lens=v(plen_off, (len(pre),), torch.int32),
+            logits_indices=v(lg_off, (num_logits,), torch.int64),
+        )
+        return BuiltStep(batch, sample_idx, nd)

@@ -1,0 +1,63 @@
+"""Runs a scheduled step on the model: builds its inputs (persistent batch), replays a CUDA graph
+for decode-only steps where one is captured, and returns the logits of the rows that sample."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from kvrelay.engine.runner.cuda_graphs import CaptureReport, DecodeGraphs, bucket_sizes
+from kvrelay.engine.runner.input_batch import InputBatch
+from kvrelay.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.max_num_seqs = max_num_seqs
+        # Graph steps are padded up to a bucket, which may exceed the token budget.
+        max_tokens = max(max_num_batched_tokens, bucket_sizes(max_num_seqs)[-1])
+        self.inputs = InputBatch(block_size, max_model_len, max_num_seqs, max_tokens, self.device)
+        self.graphs: DecodeGraphs | None = None
+        self.graph_steps = 0  # steps served by a graph replay (tests and stats read it)
+
+    def capture_graphs(self, sizes: list[int] | None = None) -> CaptureReport:
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need --device cuda")
+        sizes = sizes or bucket_sizes(self.max_num_seqs)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, max(sizes), self.inputs.max_blocks)
+        return self.graphs.capture(sizes)
+
+    def _graph_size(self, num_new: list[int]) -> int | None:
+        if self.graphs is None or self.model.layer_hook is not None:  # the hook runs Python per layer
+            return None
+        if any(n != 1 for n in num_new):
+            return None
+        return self.graphs.bucket(len(num_new))
+
+    def execute(self, seqs: list[Sequence], num_new: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+        """Runs the step (K/V of every scheduled token written into the cache). Returns fp32 logits,
+        one row per sampling sequence, and those sequences' positions in seqs (None, [] if none)."""
+        size = self._graph_size(num_new)
+        built = self.inputs.build(seqs, num_new, pad_decode_to=size)
+        if not built.sample_idx and size is None:
+            self.model.forward(built.batch, self.kv_cache)
+            return None, []
+        if size is not None and len(built.sample_idx) == built.num_real:
+            logits = self.graphs.replay(built.batch, size)
+            self.graph_steps += 1
+        else:
+            logits = self.model.forward(built.batch, self.kv_cache)
+        if not built.sample_idx:
+            return None, []
+        # Padding rows come last: the real rows' logits lead. The sampler edits rows of sequences
+        # with penalties or biases in place: those get a copy, not a graph's static output.
+        logits = logits[: len(built.sample_idx)]
+        if size is not None and any(seqs[i].adjusts_logits for i in built.sample_idx):
+            logits = logits.clone()
+        return logits, built.sample_idx
