@@ -72,6 +72,7 @@ class Prepared:
     admission: Admission | None = None
     ticket: Ticket | None = None
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
+    cache_salt: str | None = None  # prefix-cache salt: the tenant's cache group and the request's cache_salt
 
 
 class Gateway:
@@ -194,6 +195,15 @@ class Gateway:
         await self.check_request_rate(tenant)
         return await self._offload(self._prepare_chat, body, tenant)
 
+    def cache_salt(self, tenant: Tenant, request_salt: str | None) -> str | None:
+        """Tenants get prefix caches of their own (one per `prefix_cache_group` when set), so no tenant
+        can hit or time another's cached prompts; a request's `cache_salt` splits it further. The
+        open gateway (no tenants file, one tenant) keeps the plain, unsalted cache."""
+        group = None if self.tenants.open else (tenant.prefix_cache_group or f"tenant:{tenant.id}")
+        if request_salt:
+            return f"{group or ''}\x00{request_salt}"
+        return group
+
     def _check_prompt_bytes(self, texts: list[str], field_name: str) -> None:
         limit = self.config.max_prompt_bytes
         size = sum(len(t) for t in texts)  # characters: a cheap lower bound of the UTF-8 size
@@ -250,6 +260,7 @@ class Gateway:
         p = Prepared("completion", f"cmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
                      body.stream, bool(body.stream_options and body.stream_options.include_usage),
                      body.logprobs is not None, reserve)
+        p.cache_salt = self.cache_salt(tenant, body.cache_salt)
         if body.echo:
             if isinstance(raw, str):
                 p.echo = [raw]
@@ -284,7 +295,7 @@ class Gateway:
         reserve = self._fit_context(prompts, params, "messages")
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
                         body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                        body.logprobs, reserve)
+                        body.logprobs, reserve, cache_salt=self.cache_salt(tenant, body.cache_salt))
 
     # ------------------------------------------------------------------ admission
 
@@ -323,12 +334,12 @@ class Gateway:
     def stream_outputs(self, p: Prepared):
         """(prompt index, RequestOutput) for every prompt of the request, interleaved."""
         if len(p.prompts) == 1:
-            return _single(self.backend, p.prompts[0], p.params, p.request_id, p.tenant.priority)
+            return _single(self.backend, p.prompts[0], p.params, p.request_id, p.tenant.priority, p.cache_salt)
         return _merged(self.backend, p)
 
 
-async def _single(backend, prompt, params, request_id, priority):
-    gen = backend.generate(prompt, params, request_id, priority)
+async def _single(backend, prompt, params, request_id, priority, cache_salt):
+    gen = backend.generate(prompt, params, request_id, priority, cache_salt)
     try:
         async for out in gen:
             yield 0, out
@@ -340,7 +351,7 @@ async def _merged(backend, p: Prepared):
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, prompt: list[int]) -> None:
-        gen = backend.generate(prompt, p.params, f"{p.request_id}-{i}", p.tenant.priority)
+        gen = backend.generate(prompt, p.params, f"{p.request_id}-{i}", p.tenant.priority, p.cache_salt)
         try:
             async for out in gen:
                 await queue.put((i, out))

@@ -70,6 +70,7 @@ class GenerationResponse(Response):
         self.gw = gateway
         self.p = prepared
         self.choices: dict[int, _Choice] = {}
+        self.cached: dict[int, int] = {}  # prompt index -> its tokens served by the prefix cache
         self.headers_sent = False
         self.last_token_at: float | None = None
         self._itl = gateway.metrics.itl.labels(prepared.model)  # observed per token: bind the labels once
@@ -194,6 +195,8 @@ class GenerationResponse(Response):
             self.last_token_at = now
         c.started = c.started or bool(out.new_token_ids)
         c.generated = out.num_generated_tokens
+        if out.num_cached_tokens:
+            self.cached[i] = max(self.cached.get(i, 0), out.num_cached_tokens)
         if p.admission is not None:  # reported with lease renewals: what a dead gateway's lease settles at
             p.admission.used = sum(len(x) for x in p.prompts) + sum(x.generated for x in self.choices.values())
         c.finish_reason = out.finish_reason or c.finish_reason
@@ -252,7 +255,8 @@ class GenerationResponse(Response):
     def _usage(self) -> dict:
         prompt = sum(len(x) for x in self.p.prompts)
         completion = sum(c.generated for c in self.choices.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
 
     def _final_body(self) -> dict:
         p = self.p

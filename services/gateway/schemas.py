@@ -60,6 +60,8 @@ class _SamplingFields(_Strict):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     min_tokens: Annotated[Int, Field(ge=0)] = 0
     ignore_eos: bool = False
+    # Requests share cached prompt prefixes only with requests of the same salt (vLLM's field).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -92,10 +94,15 @@ class ChatCompletionRequest(_SamplingFields):
 # ---- responses (documented in the OpenAPI schema; handlers build the same shapes as dicts) ----
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served by the prefix cache (of this tenant's cache group)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
