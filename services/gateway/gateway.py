@@ -46,6 +46,7 @@ class GatewayConfig:
     quota_fail_open: bool = False  # Redis unreachable: False -> 503, True -> enforce quotas locally
     quota_wait_s: float = 10.0  # how long an admission may wait for a free quota-store connection
     max_tenant_labels: int = 100
+    tenant_metrics: bool = True  # False: no per-tenant series at all (every tenant counts as `all`)
     max_prompt_bytes: int = 1024 * 1024  # UTF-8 bytes of prompt text (all prompts / messages); past it: 413
     tokenizer_threads: int = 4  # threads that tokenize and render chat templates
     tokenizer_queue: int = 1024  # preparations waiting for a thread; past it: 503
@@ -83,7 +84,7 @@ class Gateway:
         self.tenants = tenants or TenantRegistry(None)
         self.quota = quota or QuotaManager(MemoryQuotaStore(), self.config.lease_ttl_s, self.config.quota_fail_open,
                                            self.config.quota_wait_s)
-        self.metrics = GatewayMetrics(self.config.max_tenant_labels)
+        self.metrics = GatewayMetrics(self.config.max_tenant_labels, self.config.tenant_metrics)
         self.metrics.attach_gauges(self._gauges)
         self.scheduler: FairScheduler | None = None
         self.running = 0

@@ -64,6 +64,11 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
     parser.add_argument("--max-connections-per-client", type=int, default=f.max_connections_per_client,
                         help="open connections per client address (0: unlimited; behind a proxy all clients "
                              "share its address)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve the full /metrics (per-tenant series) on this port, apart from the API; the "
+                             "API port's /metrics sums over tenants and needs a key when --tenants is set")
+    parser.add_argument("--no-tenant-metrics", action="store_true",
+                        help="no per-tenant series at all (every tenant is counted as `all`)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -80,6 +85,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          quota_wait_s=args.quota_wait, max_prompt_bytes=args.max_prompt_bytes,
                          tokenizer_threads=args.tokenizer_threads,
                          allow_special_tokens=args.allow_special_tokens_in_prompt,
+                         tenant_metrics=not args.no_tenant_metrics,
                          frontdoor=FrontDoorLimits(args.max_header_bytes, args.max_headers, args.header_timeout,
                                                    args.max_connections_per_client))
 
@@ -104,7 +110,17 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
 
     for role, proc in watch:
         threading.Thread(target=wait_for, args=(role, proc), daemon=True).start()
-    server.run()
+    metrics_server = None
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        metrics_server, _ = start_http_server(args.metrics_port, addr=args.host,
+                                              registry=app.state.gateway.metrics.registry)
+    try:
+        server.run()
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
     return 1 if lost else 0
 
 
