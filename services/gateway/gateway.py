@@ -46,6 +46,7 @@ class GatewayConfig:
     quota_fail_open: bool = False  # Redis unreachable: False -> 503, True -> enforce quotas locally
     quota_wait_s: float = 10.0  # how long an admission may wait for a free quota-store connection
     max_tenant_labels: int = 100
+    default_reserve_tokens: int = 1024  # tokens reserved per sample for a request without max_tokens
     tenant_metrics: bool = True  # False: no per-tenant series at all (every tenant counts as `all`)
     max_prompt_bytes: int = 1024 * 1024  # UTF-8 bytes of prompt text (all prompts / messages); past it: 413
     tokenizer_threads: int = 4  # threads that tokenize and render chat templates
@@ -154,21 +155,26 @@ class Gateway:
         return params
 
     def _fit_context(self, prompts: list[list[int]], params: SamplingParams, field_name: str) -> int:
-        """Check every prompt fits the context with max_tokens; fill max_tokens when absent."""
+        """Check every prompt fits the context with max_tokens; fill max_tokens when absent. Returns the
+        tokens to reserve: without max_tokens, `default_reserve_tokens` per sample (generation may run to
+        the context; the quota settles at what was used), so a small tokens-per-minute quota still
+        admits chat clients that never send max_tokens."""
         limit = self.backend.max_model_len
         longest = max(len(p) for p in prompts)
+        per_sample = params.max_tokens
         if params.max_tokens is None:
             if longest >= limit:
                 raise ApiError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
                                f"{longest}, which leaves no room to generate", param=field_name,
                                code="context_length_exceeded")
             params.max_tokens = limit - longest
+            per_sample = min(params.max_tokens, self.config.default_reserve_tokens)
         elif longest + params.max_tokens > limit:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens; the request asks for "
                            f"{longest + params.max_tokens} ({longest} in the prompt, {params.max_tokens} to "
                            "generate): shorten the prompt or lower max_tokens", param=field_name,
                            code="context_length_exceeded")
-        return sum(len(p) + params.n * params.max_tokens for p in prompts)
+        return sum(len(p) + params.n * per_sample for p in prompts)
 
     def _encode(self, text: str, field_name: str) -> list[int]:
         _check_text(text, field_name)

@@ -64,6 +64,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
     parser.add_argument("--max-connections-per-client", type=int, default=f.max_connections_per_client,
                         help="open connections per client address (0: unlimited; behind a proxy all clients "
                              "share its address)")
+    parser.add_argument("--default-reserve-tokens", type=int, default=d.default_reserve_tokens,
+                        help="tokens a request without max_tokens reserves per sample against token quotas "
+                             "(settled at what it used)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve the full /metrics (per-tenant series) on this port, apart from the API; the "
                              "API port's /metrics sums over tenants and needs a key when --tenants is set")
@@ -86,6 +89,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          tokenizer_threads=args.tokenizer_threads,
                          allow_special_tokens=args.allow_special_tokens_in_prompt,
                          tenant_metrics=not args.no_tenant_metrics,
+                         default_reserve_tokens=args.default_reserve_tokens,
                          frontdoor=FrontDoorLimits(args.max_header_bytes, args.max_headers, args.header_timeout,
                                                    args.max_connections_per_client))
 
