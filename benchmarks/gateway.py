@@ -120,6 +120,7 @@ async def run_interleaved(args, folder: str) -> tuple[list, list]:
     from kvrelay.engine.sampling_params import SamplingParams
     from kvrelay.gateway.app import Gateway, create_app
     from kvrelay.gateway.backend import LocalBackend
+    from kvrelay.gateway.frontdoor import uvicorn_options
     from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStore
     from kvrelay.gateway.tenants import TenantRegistry
 
@@ -127,8 +128,10 @@ async def run_interleaved(args, folder: str) -> tuple[list, list]:
     store = RedisQuotaStore(args.redis_url) if args.redis_url else MemoryQuotaStore()
     gateway = Gateway(LocalBackend(EngineArgs()), TenantRegistry(tenants), QuotaManager(store))
     port = free_port()
+    # The front door `kvrelay serve` uses (h11 with header limits), unless --httptools asks for uvicorn's default.
+    http = {} if args.httptools else uvicorn_options(gateway.config.frontdoor)
     server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False))
+                                           access_log=False, **http))
     serve = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
@@ -266,6 +269,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--redis-url", default=None, help="quota store for the gateway run (default: in-memory)")
+    parser.add_argument("--httptools", action="store_true",
+                        help="serve with uvicorn's default HTTP parser instead of the gateway's front door (h11)")
     parser.add_argument("--in-process-client", action="store_true",
                         help="read the gateway's streams from this process's event loop (the old set-up)")
     parser.add_argument("--cluster", action="store_true",

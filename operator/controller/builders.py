@@ -126,6 +126,8 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
             "--decode", f"dns:///{service_host(owner, 'decode')}:{c.WORKER_GRPC_PORT}",
             "--host", "0.0.0.0",
             "--port", str(c.GATEWAY_HTTP_PORT),
+            # Full metrics (per tenant) on their own port, off the public API port.
+            "--metrics-port", str(c.GATEWAY_METRICS_PORT),
             # The gateway tokenizes prompts (quotas, prefix routing) with the model's own tokenizer.
             "--model", spec.model.uri,
             "--served-model-name", spec.model.name,
@@ -164,7 +166,8 @@ def _probes(role: str) -> dict[str, Any]:
 
 def _ports(role: str) -> list[dict[str, Any]]:
     if role == "gateway":
-        return [{"name": "http", "containerPort": c.GATEWAY_HTTP_PORT, "protocol": "TCP"}]
+        return [{"name": "http", "containerPort": c.GATEWAY_HTTP_PORT, "protocol": "TCP"},
+                {"name": "metrics", "containerPort": c.GATEWAY_METRICS_PORT, "protocol": "TCP"}]
     return [
         {"name": "grpc", "containerPort": c.WORKER_GRPC_PORT, "protocol": "TCP"},
         {"name": "metrics", "containerPort": c.WORKER_METRICS_PORT, "protocol": "TCP"},
@@ -251,7 +254,8 @@ def build_service(owner: Owner, role: str) -> dict[str, Any]:
     spec: dict[str, Any] = {"selector": selector(owner, role)}
     if role == "gateway":
         spec.update(type="ClusterIP", ports=[
-            {"name": "http", "port": c.GATEWAY_HTTP_PORT, "targetPort": "http", "protocol": "TCP"}])
+            {"name": "http", "port": c.GATEWAY_HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+            {"name": "metrics", "port": c.GATEWAY_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}])
     else:
         # Headless: DNS returns every ready worker pod, which the gateway balances over.
         spec.update(clusterIP="None", ports=[

@@ -35,6 +35,7 @@ WORKER_ROLES = ("prefill", "decode")
 WORKER_GRPC_PORT = 50051
 WORKER_METRICS_PORT = 9090
 GATEWAY_HTTP_PORT = 8000
+GATEWAY_METRICS_PORT = 9090  # the gateway's /metrics, apart from its API port
 
 DEFAULT_IMAGE = "ghcr.io/kvrelay/kvrelay:0.1.0"  # overridden by KVRELAY_IMAGE (set by the chart)
 TENANTS_MOUNT_DIR = "/etc/kvrelay/tenants"

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger(__name__)
 
-ROLE_PORTS = {"gateway": c.GATEWAY_HTTP_PORT, "prefill": c.WORKER_METRICS_PORT, "decode": c.WORKER_METRICS_PORT}
+ROLE_PORTS = {"gateway": c.GATEWAY_METRICS_PORT, "prefill": c.WORKER_METRICS_PORT, "decode": c.WORKER_METRICS_PORT}
 
 
 class MetricsUnavailable(RuntimeError):

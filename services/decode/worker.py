@@ -49,6 +49,7 @@ class _Request:
     handoff_task: asyncio.Task | None = None  # the KV pull in progress
     aborted: bool = False
     num_cached_tokens: int | None = None  # reported by the prefill worker
+    cache_salt: str | None = None  # prefix-cache salt, hashed alike here and on the prefill worker
 
 
 class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
@@ -111,7 +112,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         rid = request.request_id or uuid.uuid4().hex
         if rid in self._requests:
             await abort_with(context, InvalidRequestError(f"request_id {rid!r} is already in use", "request_id"))
-        req = self._requests[rid] = _Request(rid)
+        req = self._requests[rid] = _Request(rid, cache_salt=request.cache_salt or None)
         arrival = time.monotonic()
         last = None
         try:
@@ -152,7 +153,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
                     async for out in self.engine.generate_prefilled(
                             ids, params, req.request_id, priority,
                             lambda blocks, cached, addr=addr: self._load_kv(req, addr, ids, params, priority,
-                                                                            blocks, cached)):
+                                                                            blocks, cached),
+                            cache_salt=req.cache_salt):
                         finished = out.finished
                         yield out
                     if not finished:  # aborted between the last write and activation
@@ -186,7 +188,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
             yield self._aborted_output(req, ids)
             return
         req.num_cached_tokens = None
-        async for out in self.engine.generate(ids, params, req.request_id, priority):
+        async for out in self.engine.generate(ids, params, req.request_id, priority, cache_salt=req.cache_salt):
             yield out
 
     async def _load_kv(self, req: _Request, addr: str, ids: list[int], params, priority: int,
@@ -199,7 +201,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
                              num_cached_blocks,
                              lambda batch: _write_blocks(self.engine.engine, req.request_id, block_ids, batch))
         req.handoff_task = asyncio.create_task(
-            self.transport.pull(addr, HandoffRequest(req.request_id, ids, params, priority), dest))
+            self.transport.pull(addr, HandoffRequest(req.request_id, ids, params, priority, req.cache_salt or ""), dest))
         try:
             result = await req.handoff_task
         except asyncio.CancelledError:

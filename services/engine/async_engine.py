@@ -89,11 +89,12 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         hold_blocks: bool = False,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield increments until all n samples finished. Bad input raises before scheduling.
 
         Closing the iterator early (client gone, task cancelled) aborts the request and frees
-        its KV blocks. hold_blocks: see LLMEngine.make_request (prefill worker only).
+        its KV blocks. hold_blocks, cache_salt: see LLMEngine.make_request.
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
@@ -103,7 +104,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
         # Validation and tokenization touch no shared engine state: do them here, raising to the caller.
-        seqs = self.engine.make_request(prompt, params, request_id, priority, hold_blocks)
+        seqs = self.engine.make_request(prompt, params, request_id, priority, hold_blocks, cache_salt)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self._commands.put(("add", (seqs, stream)))
@@ -134,6 +135,7 @@ class AsyncEngine:
         request_id: str,
         priority: int,
         load_kv: Callable[[list[int], int], Awaitable[tuple[int, TokenLogprob | None]]],
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Decode side of a prefill/decode hand-off; yields like generate() (one sample).
 
@@ -157,7 +159,7 @@ class AsyncEngine:
         try:
             try:
                 def reserve(llm):
-                    seq = llm.reserve(prompt_ids, params, request_id, priority)
+                    seq = llm.reserve(prompt_ids, params, request_id, priority, cache_salt)
                     return list(seq.block_table), seq.num_registered
 
                 block_ids, num_cached = await self.call_in_engine_thread(reserve)

@@ -26,9 +26,17 @@ def hash_block(parent_hash: int, token_ids) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """Keys of every full block of token_ids, in order."""
-    hashes, parent = [], ROOT_HASH
+def cache_root(salt: str | None) -> int:
+    """The parent key of a prompt's first block. A salt (the tenant's cache group and the request's
+    `cache_salt`) gives its requests a prefix cache of their own: other salts neither hit nor time it."""
+    if not salt:
+        return ROOT_HASH
+    return int.from_bytes(hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int, root: int = ROOT_HASH) -> list[int]:
+    """Keys of every full block of token_ids, in order (chained from `root`, see cache_root)."""
+    hashes, parent = [], root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)

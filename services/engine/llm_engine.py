@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from kvrelay.engine import architectures, logits_processors
-from kvrelay.engine.block_pool import BlockPool, NoFreeBlocksError
+from kvrelay.engine.block_pool import BlockPool, NoFreeBlocksError, cache_root
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
@@ -217,10 +217,12 @@ class LLMEngine:
         request_id: str,
         priority: int = 0,
         hold_blocks: bool = False,
+        cache_salt: str | None = None,
     ) -> list[Sequence]:
         """Validate and build the request's sequences; raises before anything is scheduled.
 
         hold_blocks (prefill side of a hand-off): keep the blocks after finishing until release().
+        cache_salt: requests share cached prefix blocks only with requests of the same salt.
         """
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: must be an integer, got {priority!r}", field="priority")
@@ -247,6 +249,7 @@ class LLMEngine:
         if params.logit_bias:  # built once here, not on every sampling step
             bias = (torch.tensor(list(params.logit_bias), dtype=torch.int64, device=self.device),
                     torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device))
+        root = cache_root(cache_salt)
         seqs = []
         for index in range(params.n):
             seed = params.seed + index if params.seed is not None else secrets.randbits(62)
@@ -264,6 +267,7 @@ class LLMEngine:
                 rng=None if params.greedy else random.Random(seed),
                 wait_for=seqs[0] if seqs else None,
                 hold_blocks=hold_blocks,
+                cache_root=root,
                 # ignore_eos drops EOS only; explicit stop_token_ids still apply.
                 stop_ids=frozenset(params.stop_token_ids)
                 | (frozenset() if params.ignore_eos else self.eos_ids),
@@ -290,9 +294,10 @@ class LLMEngine:
         request_id: str,
         priority: int = 0,
         hold_blocks: bool = False,
+        cache_salt: str | None = None,
     ) -> list[Sequence]:
         self._check_new_id(request_id)
-        seqs = self.make_request(prompt, params, request_id, priority, hold_blocks)
+        seqs = self.make_request(prompt, params, request_id, priority, hold_blocks, cache_salt)
         self.add(seqs)
         return seqs
 
@@ -487,7 +492,8 @@ class LLMEngine:
         return held
 
     def reserve(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Sequence:
         """Decode side: allocate blocks for a prompt whose K/V another worker computed.
 
@@ -499,7 +505,7 @@ class LLMEngine:
         if params.n != 1:
             raise InvalidRequestError("n: a prefilled request carries exactly one sample", field="n")
         self._check_new_id(request_id)
-        (seq,) = self.make_request(prompt_ids, params, request_id, priority)
+        (seq,) = self.make_request(prompt_ids, params, request_id, priority, cache_salt=cache_salt)
         bs = self.args.block_size
         full = seq.prompt_len // bs  # the first token comes from the prefill worker: no block is recomputed
         self.scheduler.ensure_hashes(seq, full)

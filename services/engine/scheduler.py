@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from kvrelay.engine.block_pool import ROOT_HASH, BlockPool, hash_block
+from kvrelay.engine.block_pool import BlockPool, hash_block
 from kvrelay.engine.sequence import Sequence, Status
 
 
@@ -79,7 +79,7 @@ class Scheduler:
     def ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
         while len(seq.block_hashes) < num_blocks:
             k = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if k else ROOT_HASH
+            parent = seq.block_hashes[-1] if k else seq.cache_root
             seq.block_hashes.append(hash_block(parent, seq.token_ids[k * self.bs : (k + 1) * self.bs]))
 
     def _take_cached_prefix(self, seq: Sequence) -> None:

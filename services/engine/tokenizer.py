@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,18 +63,68 @@ class Tokenizer:
         added = self._tk.get_added_tokens_decoder()  # id -> AddedToken
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
         self._piece_tables: dict[bool, PieceTable] = {}
+        # A twin that reads special-token text (e.g. "</s>") as plain text: for text from users.
+        self._plain = HFTokenizer.from_file(str(path))
+        self._plain.encode_special_tokens = True
+        specials = sorted((t.content for i, t in added.items() if t.special and t.content), key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     @staticmethod
     def _raise(message: str):
         raise InvalidRequestError(f"chat template: {message}", field="messages")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized
+        # in a worker thread leaves the caller's event loop running.
+        return self._tk.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_prompt(self, text: str) -> list[int]:
         """Encode a prompt; a prompt that already starts with the BOS text (from a chat template) gets no second BOS."""
         with_bos = not (self.bos_token and text.startswith(self.bos_token))
         return self.encode(text, add_special_tokens=with_bos)
+
+    def encode_plain(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Encode user text: special-token text in it stays text (only BOS/EOS the tokenizer's own
+        post-processor adds are special)."""
+        return self._plain.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def has_special_text(self, text: str) -> bool:
+        return self._special_text is not None and self._special_text.search(text) is not None
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render the chat template and encode it, with only the template's own markers special:
+        special-token text inside a message's content is encoded as plain text."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        if not any(self.has_special_text(m.get("content") or "") for m in messages):
+            return self.encode_prompt(text)  # nothing to forge: the common, fast path
+        # Where is each content in the rendering? Render with sentinels in place of the contents; the
+        # sentinels, replaced back, must give exactly the real rendering (a template that rewrites
+        # content, e.g. `| trim`, cannot be mapped and is refused).
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        marked = self.apply_chat_template(
+            [m | {"content": marks[i]} if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)],
+            add_generation_prompt)
+        pieces = re.split("(\ue000\\d+\ue001)", marked)
+        spans, rebuilt, pos = [], [], 0
+        for piece in pieces:
+            if piece in marks:
+                piece = messages[marks.index(piece)].get("content") or ""
+                spans.append((pos, pos + len(piece)))
+            rebuilt.append(piece)
+            pos += len(piece)
+        if "".join(rebuilt) != text:
+            raise InvalidRequestError("messages: a message contains special-token text and this model's chat "
+                                      "template rewrites message content, so it cannot be kept as plain text; "
+                                      "remove the special-token text", field="messages")
+        with_bos = not (self.bos_token and text.startswith(self.bos_token))
+        enc = self._tk.encode_batch([text], add_special_tokens=with_bos)[0]
+        out: list[int] = []
+        for tid, (start, end) in zip(enc.ids, enc.offsets):
+            if tid in self.special_ids and any(a <= start and end <= b for a, b in spans):
+                out += self.encode_plain(text[start:end], add_special_tokens=False)
+            else:
+                out.append(tid)
+        return out
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -50,7 +50,7 @@ class Backend(Protocol):
     capacity: int
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]: ...
     async def abort(self, request_id: str) -> None: ...
     def stats(self) -> EngineStats | None: ...
     def ready(self) -> bool: ...
@@ -93,8 +93,8 @@ class LocalBackend:
     def capacity(self) -> int:
         return getattr(self.engine_args, "max_num_seqs", None) or DEFAULT_CAPACITY
 
-    def generate(self, prompt, params, request_id, priority=0):
-        return self.engine.generate(prompt, params, request_id, priority=priority)
+    def generate(self, prompt, params, request_id, priority=0, cache_salt=None):
+        return self.engine.generate(prompt, params, request_id, priority=priority, cache_salt=cache_salt)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

@@ -17,7 +17,7 @@ import json
 import logging
 from pathlib import Path
 
-from kvrelay.engine.block_pool import prompt_block_hashes
+from kvrelay.engine.block_pool import cache_root, prompt_block_hashes
 from kvrelay.engine.outputs import EngineStats
 from kvrelay.engine.sampling_params import SamplingParams, defaults_from_generation_config
 from kvrelay.engine.tokenizer import Tokenizer
@@ -151,11 +151,14 @@ class DisaggregatedBackend:
             self._clients[address] = DecodeClient(address)
         return self._clients[address]
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str, priority: int = 0):
+    async def generate(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,
+                       cache_salt: str | None = None):
         from kvrelay.kvtransfer.errors import NoCapacityError, WorkerUnavailableError
 
         ids = prompt if isinstance(prompt, list) else self.tokenizer.encode_prompt(prompt)
-        hashes = prompt_block_hashes(ids[: MAX_AFFINITY_BLOCKS * self._block_size], self._block_size)
+        # Affinity on the salted keys: the same keys the workers' caches hold and publish.
+        hashes = prompt_block_hashes(ids[: MAX_AFFINITY_BLOCKS * self._block_size], self._block_size,
+                                     cache_root(cache_salt))
         tried: set[str] = set()
         last_error: Exception | None = None
         for _ in range(DECODE_ATTEMPTS):
@@ -175,7 +178,8 @@ class DisaggregatedBackend:
                 p.inflight += 1
             self._where[request_id] = decode.address
             stream = self._client(decode.address).generate(
-                ids, params, request_id, prefill_addr=[p.address for p in prefills] or None, priority=priority)
+                ids, params, request_id, prefill_addr=[p.address for p in prefills] or None, priority=priority,
+                cache_salt=cache_salt)
             try:
                 async for out in stream:
                     if not started:

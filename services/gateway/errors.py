@@ -48,8 +48,8 @@ def model_not_found(model: str, available: list[str]) -> ApiError:
                     "invalid_request_error", "model", "model_not_found")
 
 
-def too_large(message: str) -> ApiError:
-    return ApiError(413, message, "invalid_request_error", None, "request_too_large")
+def too_large(message: str, param: str | None = None) -> ApiError:
+    return ApiError(413, message, "invalid_request_error", param, "request_too_large")
 
 
 def rate_limited(message: str, code: str, headers: dict[str, str]) -> ApiError:

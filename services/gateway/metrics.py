@@ -11,10 +11,12 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 OTHER_TENANT = "other"
+ALL_TENANTS = "all"
 
 
 GAUGES = {  # name -> (help, labels)
@@ -46,9 +48,10 @@ class _GaugeCollector:
 
 
 class GatewayMetrics:
-    def __init__(self, max_tenant_labels: int = 100):
+    def __init__(self, max_tenant_labels: int = 100, per_tenant: bool = True):
         self.registry = CollectorRegistry(auto_describe=True)
         self.max_tenant_labels = max_tenant_labels
+        self.per_tenant = per_tenant  # False: every tenant is counted under `all`
         self._tenant_labels: set[str] = set()
         r = self.registry
         self.ttft = Histogram("kvrelay:time_to_first_token_seconds", "Time from arrival to the first token",
@@ -75,6 +78,8 @@ class GatewayMetrics:
 
     def tenant(self, tenant_id: str) -> str:
         """The label value for a tenant, bounded in cardinality."""
+        if not self.per_tenant:
+            return ALL_TENANTS
         if tenant_id in self._tenant_labels:
             return tenant_id
         if len(self._tenant_labels) < self.max_tenant_labels:
@@ -82,5 +87,30 @@ class GatewayMetrics:
             return tenant_id
         return OTHER_TENANT
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+    def exposition(self, per_tenant: bool = True) -> bytes:
+        """The text format; per_tenant=False sums every series over its tenant label (the API port's view:
+        no tenant id leaves the gateway there)."""
+        return generate_latest(self.registry if per_tenant else _TenantFolded(self.registry))
+
+
+class _TenantFolded:
+    """A registry view with the `tenant` label dropped and the series summed over it."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._registry = registry
+
+    def collect(self):
+        for family in self._registry.collect():
+            if not any("tenant" in s.labels for s in family.samples):
+                yield family
+                continue
+            sums: dict[tuple, float] = {}
+            for s in family.samples:
+                if s.name.endswith("_created"):  # creation times do not sum
+                    continue
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "tenant"))
+                sums[(s.name, labels)] = sums.get((s.name, labels), 0.0) + s.value
+            folded = Metric(family.name, family.documentation, family.type, family.unit)
+            for (name, labels), value in sums.items():
+                folded.add_sample(name, dict(labels), value)
+            yield folded

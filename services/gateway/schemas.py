@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from kvrelay.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_STOP = 16
 MAX_BATCH_PROMPTS = 16
@@ -25,40 +25,52 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+def _integral(value):
+    """OpenAI accepts integral floats (`4.0`) where it documents integers: take them as ints."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field (strict: no strings, no booleans) that also takes an integral float.
+Int = Annotated[int, BeforeValidator(_integral)]
+
 StopField = Annotated[str | Annotated[list[str], Field(max_length=MAX_STOP)] | None, Field(default=None)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=1)]
 
 
 class _SamplingFields(_Strict):
     model: str
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopField = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    seed: Annotated[Int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     # Token id (as a string, as OpenAI sends it) -> bias in [-100, 100] added to its logit.
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # Extensions beyond OpenAI's set (vLLM clients send them through `extra_body`).
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[Int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[Int, Field(ge=0)] = 0
     ignore_eos: bool = False
     # Plugin logits processors: ["name", ...] or {"name": {...arguments}} (docs/plugins.md).
     logits_processors: list[str] | dict[str, dict] | None = None
+    # Requests share cached prompt prefixes only with requests of the same salt (vLLM's field).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)] | Annotated[
         list[TokenIds], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = 16
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False  # put the prompt before the completion (not with logprobs)
 
 
@@ -75,19 +87,24 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 # ---- responses (documented in the OpenAPI schema; handlers build the same shapes as dicts) ----
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served by the prefix cache (of this tenant's cache group)
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -184,3 +201,7 @@ ERROR_RESPONSES: dict[int | str, dict] = {
         503: "Queue full, quota store unavailable or no healthy workers",
     }.items()
 }
+
+GENERATION_RESPONSES: dict[int | str, dict] = {
+    200: {"description": "A completion; `text/event-stream` of chunks when `stream` is true",
+          "content": {"text/event-stream": {}}}} | ERROR_RESPONSES

@@ -17,6 +17,7 @@ import yaml
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
 from kvrelay.gateway.app import Gateway, GatewayConfig, create_app
 from kvrelay.gateway.backend import LocalBackend
+from kvrelay.gateway.frontdoor import FrontDoorLimits, uvicorn_options
 from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStore
 from kvrelay.gateway.tenants import TenantConfigError, TenantRegistry
 from kvrelay.kvtransfer.worker_base import PARENT_PID_ENV
@@ -33,24 +34,64 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                         help="tenants YAML (keys, quotas, priority, models); default: one open tenant")
     parser.add_argument("--redis-url", default=None, help="Redis for quotas shared by all gateway replicas")
     parser.add_argument("--quota-failure-policy", choices=["closed", "open"], default="closed",
-                        help="when Redis is unreachable: closed = 503, open = admit unaccounted")
+                        help="when Redis is unreachable: closed = 503, open = enforce quotas per replica and "
+                             "charge what was served to Redis when it returns")
+    parser.add_argument("--redis-max-connections", type=int, default=64,
+                        help="Redis connections per gateway; more concurrent quota checks queue for one")
+    parser.add_argument("--redis-timeout", type=float, default=0.5,
+                        help="seconds Redis may take to answer one try of a quota command (two tries)")
+    parser.add_argument("--quota-wait", type=float, default=d.quota_wait_s,
+                        help="seconds an admission may queue for a free Redis connection before a 503")
     parser.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s,
                         help="seconds before a dead gateway's concurrency slots are freed")
     parser.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting before 503")
     parser.add_argument("--capacity", type=int, default=None,
                         help="sequences in flight before requests queue (default: the engine's --max-num-seqs)")
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    parser.add_argument("--max-prompt-bytes", type=int, default=d.max_prompt_bytes,
+                        help="UTF-8 bytes of prompt text per request, checked before tokenizing (413 past it)")
+    parser.add_argument("--tokenizer-threads", type=int, default=d.tokenizer_threads,
+                        help="threads that tokenize prompts and render chat templates off the event loop")
+    parser.add_argument("--allow-special-tokens-in-prompt", action="store_true",
+                        help="trusted deployments: special-token text in prompts and messages (e.g. </s>) acts as "
+                             "the special token; by default it is plain text")
+    f = FrontDoorLimits()
+    parser.add_argument("--max-header-bytes", type=int, default=f.max_header_bytes,
+                        help="bytes of a request head (request line and headers); larger: refused")
+    parser.add_argument("--max-headers", type=int, default=f.max_headers, help="header lines per request (431)")
+    parser.add_argument("--header-timeout", type=float, default=f.header_timeout_s,
+                        help="seconds a connection has to send a complete request head before it is closed")
+    parser.add_argument("--max-connections-per-client", type=int, default=f.max_connections_per_client,
+                        help="open connections per client address (0: unlimited; behind a proxy all clients "
+                             "share its address)")
+    parser.add_argument("--default-reserve-tokens", type=int, default=d.default_reserve_tokens,
+                        help="tokens a request without max_tokens reserves per sample against token quotas "
+                             "(settled at what it used)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve the full /metrics (per-tenant series) on this port, apart from the API; the "
+                             "API port's /metrics sums over tenants and needs a key when --tenants is set")
+    parser.add_argument("--no-tenant-metrics", action="store_true",
+                        help="no per-tenant series at all (every tenant is counted as `all`)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def build_quota(args: argparse.Namespace) -> QuotaManager:
-    store = RedisQuotaStore(args.redis_url) if args.redis_url else MemoryQuotaStore()
-    return QuotaManager(store, lease_ttl_s=args.lease_ttl, fail_open=args.quota_failure_policy == "open")
+    store = (RedisQuotaStore(args.redis_url, timeout_s=args.redis_timeout, max_connections=args.redis_max_connections)
+             if args.redis_url else MemoryQuotaStore())
+    return QuotaManager(store, lease_ttl_s=args.lease_ttl, fail_open=args.quota_failure_policy == "open",
+                        wait_s=args.quota_wait)
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(max_queue=args.max_queue, capacity=args.capacity, max_body_bytes=args.max_body_bytes,
-                         lease_ttl_s=args.lease_ttl, quota_fail_open=args.quota_failure_policy == "open")
+                         lease_ttl_s=args.lease_ttl, quota_fail_open=args.quota_failure_policy == "open",
+                         quota_wait_s=args.quota_wait, max_prompt_bytes=args.max_prompt_bytes,
+                         tokenizer_threads=args.tokenizer_threads,
+                         allow_special_tokens=args.allow_special_tokens_in_prompt,
+                         tenant_metrics=not args.no_tenant_metrics,
+                         default_reserve_tokens=args.default_reserve_tokens,
+                         frontdoor=FrontDoorLimits(args.max_header_bytes, args.max_headers, args.header_timeout,
+                                                   args.max_connections_per_client))
 
 
 def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = ()) -> int:
@@ -58,8 +99,10 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
     `serve --disaggregated` without its local worker would only answer 503."""
     import uvicorn
 
+    limits = app.state.gateway.config.frontdoor
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=False, timeout_graceful_shutdown=5))
+                                           access_log=False, timeout_graceful_shutdown=5,
+                                           **uvicorn_options(limits)))
     lost: list[str] = []
 
     def wait_for(role: str, proc: subprocess.Popen) -> None:
@@ -71,7 +114,17 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
 
     for role, proc in watch:
         threading.Thread(target=wait_for, args=(role, proc), daemon=True).start()
-    server.run()
+    metrics_server = None
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        metrics_server, _ = start_http_server(args.metrics_port, addr=args.host,
+                                              registry=app.state.gateway.metrics.registry)
+    try:
+        server.run()
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
     return 1 if lost else 0
 
 

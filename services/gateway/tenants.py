@@ -7,6 +7,7 @@ The tenants file is YAML (in a cluster it is mounted from a Kubernetes Secret):
         api_keys_sha256: ["<hex sha256 of the key>", ...]
         priority: 1                 # higher is served first; fairness applies within a priority
         allowed_models: ["*"]       # or a list of served model ids
+        prefix_cache_group: team-a  # optional: tenants naming the same group share cached prefixes
         quotas:                     # every quota is optional; absent means unlimited
           requests_per_minute: 600
           tokens_per_minute: 200000
@@ -53,6 +54,7 @@ class Tenant:
     quotas: Quotas = field(default_factory=Quotas)
     priority: int = 0
     allowed_models: tuple[str, ...] = ("*",)
+    prefix_cache_group: str | None = None  # None: a prefix cache of its own
 
     def may_use(self, model: str) -> bool:
         return "*" in self.allowed_models or model in self.allowed_models
@@ -76,7 +78,7 @@ def parse_tenants(doc: object, source: str = "tenants file") -> list[Tenant]:
         where = f"{source}: tenants[{i}]"
         if not isinstance(entry, dict):
             raise TenantConfigError(f"{where}: expected a mapping")
-        unknown = set(entry) - {"id", "api_keys_sha256", "priority", "allowed_models", "quotas"}
+        unknown = set(entry) - {"id", "api_keys_sha256", "priority", "allowed_models", "quotas", "prefix_cache_group"}
         if unknown:
             raise TenantConfigError(f"{where}: unknown fields {sorted(unknown)}")
         tid = entry.get("id")
@@ -110,7 +112,11 @@ def parse_tenants(doc: object, source: str = "tenants file") -> list[Tenant]:
         for name, value in quotas.items():
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise TenantConfigError(f"{where}.quotas.{name}: expected an integer >= 0 or null, got {value!r}")
-        tenants.append(Tenant(tid, tuple(key_hashes), Quotas(**quotas), priority, tuple(models)))
+        group = entry.get("prefix_cache_group")
+        if group is not None and (not isinstance(group, str) or not group):
+            raise TenantConfigError(f"{where}.prefix_cache_group: expected a non-empty string, got {group!r}")
+        tenants.append(Tenant(tid, tuple(key_hashes), Quotas(**quotas), priority, tuple(models),
+                              None if group is None else f"group:{group}"))
     return tenants
 
 

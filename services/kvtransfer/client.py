@@ -68,6 +68,7 @@ class DecodeClient(_Client):
         prefill_addr: str | Sequence[str] | None = None,
         priority: int = 0,
         allow_local_prefill: bool = True,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, prefilled on prefill_addr (tried in order if several; None:
         on the decode worker itself). allow_local_prefill: whether the decode worker may prefill
@@ -75,7 +76,8 @@ class DecodeClient(_Client):
         request_id = request_id or uuid.uuid4().hex
         addrs = [prefill_addr] if isinstance(prefill_addr, str) else list(prefill_addr or [])
         req = decode_pb2.GenerateRequest(request_id=request_id, params=params_to_proto(params), priority=priority,
-                                         prefill_addrs=addrs, allow_local_prefill=allow_local_prefill)
+                                         prefill_addrs=addrs, allow_local_prefill=allow_local_prefill,
+                                         cache_salt=cache_salt or "")
         if isinstance(prompt, str):
             req.text = prompt
         else:

@@ -60,6 +60,7 @@ class HandoffRequest:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    cache_salt: str = ""  # both sides hash the prompt's blocks from the same salted root
 
 
 @dataclass
@@ -183,7 +184,7 @@ class GrpcKVTransport(KVTransport):
             request_id=request.request_id, prompt_token_ids=request.prompt_ids,
             params=params_to_proto(request.params), priority=request.priority,
             expected_layout=self.layout.to_proto(), max_message_bytes=self.max_message_bytes,
-            num_cached_blocks=dest.num_cached_blocks)
+            num_cached_blocks=dest.num_cached_blocks, cache_salt=request.cache_salt)
         verifier = ChunkVerifier(self.layout, len(request.prompt_ids), len(dest.block_ids), dest.num_cached_blocks)
         if region is not None:
             start.shm.CopyFrom(kv_pb2.ShmRegion(path=str(self.arena.path), nonce=self.arena.nonce,

@@ -219,7 +219,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             if len(ids) >= self.options.stream_min_tokens:
                 with self._lock:
                     self._streaming[lease.lease_id] = h
-            compute = asyncio.create_task(self._compute(h, ids, params, start.priority))
+            compute = asyncio.create_task(self._compute(h, ids, params, start.priority, start.cache_salt or None))
             reason = await self._send_loop(h, context)
         except asyncio.CancelledError:
             reason = lease.release_reason or "stream_broken"
@@ -326,12 +326,13 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             done.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
         return done
 
-    async def _compute(self, h: _Handoff, ids: list[int], params, priority: int) -> None:
+    async def _compute(self, h: _Handoff, ids: list[int], params, priority: int, cache_salt: str | None = None) -> None:
         lease = h.lease
         t0 = h.started_at = time.monotonic()
         try:
             out = None
-            async for out in self.engine.generate(ids, params, lease.lease_id, priority, hold_blocks=True):
+            async for out in self.engine.generate(ids, params, lease.lease_id, priority, hold_blocks=True,
+                                                  cache_salt=cache_salt):
                 pass
             if out is None or not out.new_token_ids:
                 raise EngineDeadError(f"the prefill ended without a token ({out and out.finish_reason})")

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("kvrelay.gateway.cluster", "cluster gateway in front of prefill/decode workers"),
     "prefill": ("kvrelay.prefill.cli", "prefill worker: computes prompts' KV cache and hands it to decode workers"),
     "decode": ("kvrelay.decode.cli", "decode worker: pulls prefilled KV blocks over gRPC and generates tokens"),
+    "tenants": ("kvrelay.gateway.tenants_cli", "manage a gateway tenants file: `tenants add NAME` makes a new API key"),
     "operator": ("kvrelay.operator.cli", "run the Kubernetes operator for InferenceService resources"),
     "bench": ("kvrelay.bench.cli", "benchmark any OpenAI-compatible server, or the engine offline"),
     "env": ("kvrelay.env_info", "print versions, CUDA, CPU flags, native kernels and plugins (for bug reports)"),

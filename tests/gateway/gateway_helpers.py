@@ -56,13 +56,15 @@ class InProcessGateway:
         from kvrelay.engine.engine_args import EngineArgs
         from kvrelay.gateway.app import Gateway, create_app
         from kvrelay.gateway.backend import LocalBackend
+        from kvrelay.gateway.frontdoor import uvicorn_options
         from kvrelay.gateway.tenants import TenantRegistry
 
         backend = backend or LocalBackend(EngineArgs(**(engine_kwargs or {})))
         self.gateway = Gateway(backend, TenantRegistry(tenants_file), quota, config)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.gateway), host="127.0.0.1", port=self.port,
-                                                    log_level="warning", access_log=False))
+                                                    log_level="warning", access_log=False,
+                                                    **uvicorn_options(self.gateway.config.frontdoor)))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -80,9 +80,11 @@ def test_rate_limit_429_with_headers_via_client(gw):
     assert 1 <= int(headers["retry-after"]) <= 60
     assert headers["x-ratelimit-remaining-requests"] == "0"
     assert e.value.body["code"] == "requests_per_minute"
-    metrics = httpx.get(gw.url + "/metrics").text
-    assert 'kvrelay:quota_rejections_total{limit="requests_per_minute",tenant="limited"} 1.0' in metrics
-    assert "sk-limited" not in metrics
+    # The API port's /metrics needs a key here (a tenants file is loaded) and sums over tenants.
+    assert httpx.get(gw.url + "/metrics").status_code == 401
+    metrics = httpx.get(gw.url + "/metrics", headers={"x-api-key": "sk-acme"}).text
+    assert 'kvrelay:quota_rejections_total{limit="requests_per_minute"} 1.0' in metrics
+    assert "sk-limited" not in metrics and 'tenant="limited"' not in metrics
 
 
 def test_request_larger_than_token_quota_is_400(gw):
@@ -197,3 +199,22 @@ def test_tenants_file_reloads_without_restart(gw, tenants_path):
     time.sleep(1.2)
     assert post(gw, body, key="sk-new").status_code == 200
     tenants_path.write_text(text)
+
+
+def test_empty_json_key_is_a_400_not_a_500(gw):
+    err = assert_error(post(gw, {"model": MODEL, "prompt": "hi", "": 1}), 400, param='""')
+    assert "unknown field" in err["message"]
+
+
+def test_integral_floats_are_accepted_for_integer_fields(gw):
+    r = post(gw, {"model": MODEL, "prompt": "Once", "max_tokens": 4.0, "n": 1.0, "seed": 7.0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+    assert_error(post(gw, {"model": MODEL, "prompt": "Once", "max_tokens": 4.5}), 400, param="max_tokens")
+    assert_error(post(gw, {"model": MODEL, "prompt": "Once", "max_tokens": True}), 400, param="max_tokens")
+
+
+def test_405_names_the_allowed_methods(gw):
+    r = httpx.get(gw.url + "/v1/completions", timeout=30)
+    assert_error(r, 405, code="method_not_allowed")
+    assert r.headers["allow"] == "POST"

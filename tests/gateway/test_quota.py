@@ -106,3 +106,54 @@ async def test_unreachable_redis_fail_closed_and_open():
     await opened.complete(adm, 1)
     await closed.close()
     await opened.close()
+
+
+async def test_expired_lease_settles_at_the_last_reported_use(store):
+    mgr = QuotaManager(store, lease_ttl_s=0.6)
+    q = Quotas(tokens_per_day=1000, tokens_per_minute=1000)
+    adm = await mgr.admit("s", q, "r1", 100)
+    adm.used = 30  # what the response has served so far; the next renewal reports it
+    await asyncio.sleep(0.5)
+    mgr._renewer.cancel()  # the gateway dies: no reconcile ever comes
+    await asyncio.sleep(0.9)
+    assert await store.usage("s") == {"requests_per_minute": 1, "tokens_per_minute": 30,
+                                      "concurrent_requests": 0, "tokens_per_day": 30}
+    await mgr.complete(adm, 30)  # a late reconcile of a reaped lease changes nothing
+    assert (await store.usage("s"))["tokens_per_day"] == 30
+
+
+async def test_void_undoes_an_admission_and_a_late_one_takes_nothing(store):
+    q = Quotas(concurrent_requests=1, tokens_per_day=1000)
+    await store.admit("v", q, "r1", 50, 60_000)
+    await store.void("v", "r1")
+    await store.void("v", "r1")  # replayed: still once
+    assert await store.usage("v") == {"requests_per_minute": 0, "tokens_per_minute": 0,
+                                      "concurrent_requests": 0, "tokens_per_day": 0}
+    import time
+
+    d = await store.admit("v", q, "r2", 50, 60_000, deadline_s=time.time() - 5)
+    assert not d.admitted and d.limit == "deadline_passed"
+    assert (await store.usage("v"))["tokens_per_day"] == 0
+
+
+async def test_fail_open_enforces_quotas_locally_and_charges_redis_when_it_returns(redis_server):
+    redis_server.stop()
+    store = RedisQuotaStore(redis_server.url, timeout_s=0.2)
+    mgr = QuotaManager(store, fail_open=True, retry_interval_s=0.1)
+    q = Quotas(requests_per_minute=2, tokens_per_day=1000)
+    a = await mgr.admit("o", q, "r1", 40)
+    b = await mgr.admit("o", q, "r2", 40)
+    assert a.fallback and b.fallback
+    with pytest.raises(QuotaExceeded):  # the open policy still counts: 2 per minute on this replica
+        await mgr.admit("o", q, "r3", 40)
+    await mgr.complete(a, 25)
+    await mgr.complete(b, 30)
+    redis_server.start()
+    for _ in range(100):
+        if mgr.pending == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert mgr.pending == 0
+    assert await store.usage("o") == {"requests_per_minute": 2, "tokens_per_minute": 55,
+                                      "concurrent_requests": 0, "tokens_per_day": 55}
+    await mgr.close()

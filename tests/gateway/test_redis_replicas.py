@@ -19,6 +19,7 @@ TENANTS = [
     {"id": "budget", "api_keys_sha256": [hash_key("k-budget")],
      "quotas": {"tokens_per_minute": 1_000_000, "tokens_per_day": 5_000_000}},
     {"id": "conc2", "api_keys_sha256": [hash_key("k-conc2")], "quotas": {"concurrent_requests": 2}},
+    {"id": "burst", "api_keys_sha256": [hash_key("k-burst")], "quotas": {"requests_per_minute": 60}},
     {"id": "steady", "api_keys_sha256": [hash_key("k-steady")], "quotas": {"requests_per_minute": 100_000}},
 ]
 
@@ -72,6 +73,24 @@ def test_200_concurrent_requests_across_two_replicas_admit_exactly_50(cluster):
     rejected = [r for r in responses if r.status_code == 429]
     assert all(r.json()["error"]["code"] == "requests_per_minute" and "retry-after" in r.headers for r in rejected)
     assert usage(redis.url, "rpm50")["requests_per_minute"] == 50
+
+
+def test_400_concurrent_requests_queue_for_redis_connections_and_admit_exactly_60(cluster):
+    """More concurrent admissions than Redis connections (64 per gateway, 200 requests each): the
+    surplus waits for a connection. A full pool used to read as "Redis unavailable": 503s under the
+    closed policy (gateway 0) and unaccounted admissions under the open one (gateway 1)."""
+    redis, gateways, _, _ = cluster
+
+    async def burst():
+        limits = httpx.Limits(max_connections=500, max_keepalive_connections=500)
+        async with httpx.AsyncClient(timeout=120, limits=limits, headers={"x-api-key": "k-burst"}) as http:
+            body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1}
+            return await asyncio.gather(*(http.post(gateways[i % 2].url + "/v1/completions", json=body)
+                                          for i in range(400)))
+
+    statuses = Counter(r.status_code for r in asyncio.run(burst()))
+    assert statuses == {200: 60, 429: 340}, statuses
+    assert usage(redis.url, "burst")["requests_per_minute"] == 60
 
 
 def test_token_budget_reconciles_exactly_after_mixed_streams(cluster):

@@ -48,6 +48,10 @@ def test_worker_and_gateway_commands_follow_the_cli_contract():
     assert {"name": "KVRELAY_REDIS_URL", "value": "redis://kvrelay-redis.ops:6379/0"} in gateway["env"]
     assert objs["Service", "demo-prefill"]["spec"]["clusterIP"] == "None"
     assert objs["Service", "demo-gateway"]["spec"]["ports"][0]["port"] == 8000
+    # Metrics on their own port: the API port's /metrics hides tenants and needs a key.
+    assert gateway["args"][9:11] == ["--metrics-port", "9090"]
+    assert objs["Service", "demo-gateway"]["spec"]["ports"][1] == {
+        "name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}
 
 
 def test_model_settings_become_worker_flags():

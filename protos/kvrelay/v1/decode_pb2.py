@@ -26,7 +26,7 @@ from kvrelay.v1 import common_pb2 as kvrelay_dot_v1_dot_common__pb2
 from kvrelay.v1 import prefill_pb2 as kvrelay_dot_v1_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/decode.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\x1a\x18kvrelay/v1/prefill.proto\"\xdc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x15\n\rprefill_addrs\x18\x06 \x03(\t\x12\x1b\n\x13\x61llow_local_prefill\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"=\n\x10GenerateResponse\x12)\n\x06output\x18\x01 \x01(\x0b\x32\x19.kvrelay.v1.RequestOutput2\x93\x01\n\rDecodeService\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12\x39\n\x05\x41\x62ort\x12\x18.kvrelay.v1.AbortRequest\x1a\x16.kvrelay.v1.AbortReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/decode.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\x1a\x18kvrelay/v1/prefill.proto\"\xf0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x15\n\rprefill_addrs\x18\x06 \x03(\t\x12\x1b\n\x13\x61llow_local_prefill\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x08\n\x06prompt\"=\n\x10GenerateResponse\x12)\n\x06output\x18\x01 \x01(\x0b\x32\x19.kvrelay.v1.RequestOutput2\x93\x01\n\rDecodeService\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12\x39\n\x05\x41\x62ort\x12\x18.kvrelay.v1.AbortRequest\x1a\x16.kvrelay.v1.AbortReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.decode_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=91
-  _globals['_GENERATEREQUEST']._serialized_end=311
-  _globals['_GENERATERESPONSE']._serialized_start=313
-  _globals['_GENERATERESPONSE']._serialized_end=374
-  _globals['_DECODESERVICE']._serialized_start=377
-  _globals['_DECODESERVICE']._serialized_end=524
+  _globals['_GENERATEREQUEST']._serialized_end=331
+  _globals['_GENERATERESPONSE']._serialized_start=333
+  _globals['_GENERATERESPONSE']._serialized_end=394
+  _globals['_DECODESERVICE']._serialized_start=397
+  _globals['_DECODESERVICE']._serialized_end=544
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,294 @@
+"""The life of an admitted request: wait for a slot, generate, answer in OpenAI's shapes.
+
+`GenerationResponse` watches for the client going away and then aborts the request upstream
+(freeing its KV blocks) and releases its quota and slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from fastapi.responses import Response
+from kvrelay.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
+from kvrelay.gateway import errors
+from kvrelay.gateway.errors import ApiError
+from kvrelay.gateway.gateway import Gateway, Prepared
+
+log = logging.getLogger(__name__)
+
+
+def _token_text(tok, token_id: int) -> str:
+    """A token's text with its leading space (decoding one token alone drops a SentencePiece "▁")."""
+    piece = tok.id_to_token(token_id) if hasattr(tok, "id_to_token") else None
+    if piece and "\u2581" in piece and not piece.startswith("<"):
+        return piece.replace("\u2581", " ")
+    return tok.decode([token_id])
+
+
+def _engine_error(e: Exception, p: Prepared) -> ApiError:
+    if isinstance(e, PromptTooLongError):
+        return ApiError(400, str(e), param="messages" if p.kind == "chat" else "prompt",
+                        code="context_length_exceeded")
+    if isinstance(e, InvalidRequestError):
+        return errors.bad_request(str(e), e.field)
+    if isinstance(e, EngineDeadError):
+        return errors.unavailable(f"The engine stopped: {e}", "engine_dead")
+    if type(e).__module__ == "kvrelay.kvtransfer.errors":  # worker unreachable, no capacity, failed hand-off
+        return errors.unavailable(f"No worker could serve the request: {e}", "workers_unavailable")
+    log.exception("request %s failed", p.request_id, exc_info=e)
+    return ApiError(500, f"Internal error while generating ({type(e).__name__})", "server_error",
+                    code="internal_error")
+
+
+def _sse(obj: dict | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    length: int = 0  # characters so far (completions' text_offset)
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top: list[dict] = field(default_factory=list)
+    chat_logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    generated: int = 0
+    started: bool = False
+
+
+class GenerationResponse(Response):
+    """Waits for a slot, generates, and answers; a client disconnect aborts it upstream."""
+
+    def __init__(self, gateway: Gateway, prepared: Prepared):
+        super().__init__()
+        self.gw = gateway
+        self.p = prepared
+        self.choices: dict[int, _Choice] = {}
+        self.cached: dict[int, int] = {}  # prompt index -> its tokens served by the prefix cache
+        self.headers_sent = False
+        self.last_token_at: float | None = None
+        self._itl = gateway.metrics.itl.labels(prepared.model)  # observed per token: bind the labels once
+
+    async def __call__(self, scope, receive, send) -> None:
+        main = asyncio.create_task(self._run(send))
+        watcher = asyncio.create_task(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({main, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (main, watcher):
+                task.cancel()
+            await asyncio.gather(main, watcher, return_exceptions=True)
+
+    # -- the request's life after admission
+
+    async def _run(self, send) -> None:
+        gw, p = self.gw, self.p
+        outputs = None
+        try:
+            await gw.scheduler.wait(p.ticket)
+            gw.metrics.queue_time.labels(p.model).observe(time.monotonic() - p.arrival)
+            gw.running += 1
+            outputs = gw.stream_outputs(p)
+            if p.stream:
+                await self._stream(outputs, send)
+            else:
+                async for i, out in outputs:
+                    self._absorb(i, out)
+                await self._send_json(200, self._final_body(), send)
+        except ApiError as e:
+            await self._fail(e, send)
+        except (InvalidRequestError, EngineDeadError) as e:
+            await self._fail(_engine_error(e, p), send)
+        except OSError:
+            pass  # the client went away while we were sending
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a request must not take the server down
+            await self._fail(_engine_error(e, p), send)
+        finally:
+            if outputs is not None:
+                await outputs.aclose()
+                gw.running -= 1
+            await self._finish()
+
+    async def _finish(self) -> None:
+        gw, p = self.gw, self.p
+        generated = sum(c.generated for c in self.choices.values())
+        prompt_tokens = sum(len(x) for x in p.prompts)
+        used = prompt_tokens + generated
+        if p.ticket is not None:
+            gw.scheduler.release(p.ticket, actual_cost=used)
+        if p.admission is not None:
+            await gw.quota.complete(p.admission, used)
+        m, tenant = gw.metrics, gw.metrics.tenant(p.tenant.id)
+        m.prompt_tokens.labels(p.model, tenant).inc(prompt_tokens)
+        m.generation_tokens.labels(p.model, tenant).inc(generated)
+        reasons = {c.finish_reason or "abort" for c in self.choices.values()} or {"abort"}
+        for reason in reasons:
+            m.requests.labels(p.model, tenant, reason).inc()
+        m.e2e.labels(p.model).observe(time.monotonic() - p.arrival)
+
+    async def _fail(self, e: ApiError, send) -> None:
+        self.gw.metrics.errors.labels(str(e.status)).inc()
+        if not self.headers_sent:
+            await self._send_json(e.status, e.body(), send, e.headers)
+        else:  # mid-stream: OpenAI-style error event, then close the stream
+            await send({"type": "http.response.body", "body": _sse(e.body()), "more_body": True})
+            await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+
+    async def _send_json(self, status: int, body: dict, send, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        all_headers = {**self._extra_headers(), **(headers or {})}
+        raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        raw += [(k.lower().encode(), v.encode()) for k, v in all_headers.items()]
+        self.headers_sent = True
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": data})
+
+    def _extra_headers(self) -> dict[str, str]:
+        h = {"x-request-id": self.p.request_id}
+        if self.p.admission is not None:
+            h.update(self.p.admission.headers)
+        return h
+
+    async def _stream(self, outputs, send) -> None:
+        p = self.p
+        first = await outputs.__anext__()  # engine errors before the first token become HTTP statuses
+        raw = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+        raw += [(k.lower().encode(), v.encode()) for k, v in self._extra_headers().items()]
+        self.headers_sent = True
+        await send({"type": "http.response.start", "status": 200, "headers": raw})
+        pending = [first]
+        while True:
+            for i, out in pending:
+                for chunk in self._chunks(i, out):
+                    await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
+            try:
+                pending = [await outputs.__anext__()]
+            except StopAsyncIteration:
+                break
+        if p.include_usage:
+            await send({"type": "http.response.body", "body": _sse(self._chunk_base() | {
+                "choices": [], "usage": self._usage()}), "more_body": True})
+        await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+
+    # -- turning engine outputs into OpenAI shapes
+
+    def _absorb(self, i: int, out) -> tuple[int, _Choice, dict | None]:
+        """Record one increment; returns (choice index, state, this increment's logprobs)."""
+        p, tok = self.p, self.gw.backend.tokenizer
+        index = i * p.params.n + out.index
+        c = self.choices.setdefault(index, _Choice())
+        now = time.monotonic()
+        if out.new_token_ids:
+            if self.last_token_at is None:
+                self.gw.metrics.ttft.labels(p.model).observe(now - p.arrival)
+            else:
+                self._itl.observe(now - self.last_token_at)
+            self.last_token_at = now
+        c.started = c.started or bool(out.new_token_ids)
+        c.generated = out.num_generated_tokens
+        if out.num_cached_tokens:
+            self.cached[i] = max(self.cached.get(i, 0), out.num_cached_tokens)
+        if p.admission is not None:  # reported with lease renewals: what a dead gateway's lease settles at
+            p.admission.used = sum(len(x) for x in p.prompts) + sum(x.generated for x in self.choices.values())
+        c.finish_reason = out.finish_reason or c.finish_reason
+        c.text.append(out.text)
+        delta_lp = None
+        if p.logprobs and out.logprobs:
+            if p.kind == "completion":
+                delta_lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                offset = c.length
+                for lp in out.logprobs:
+                    token = _token_text(tok, lp.token_id)
+                    top = {_token_text(tok, t): v for t, v in lp.top}
+                    for key, value in (("tokens", token), ("token_logprobs", lp.logprob),
+                                       ("top_logprobs", top), ("text_offset", offset)):
+                        delta_lp[key].append(value)
+                    offset += len(token)
+                c.tokens += delta_lp["tokens"]
+                c.token_logprobs += delta_lp["token_logprobs"]
+                c.top += delta_lp["top_logprobs"]
+            else:
+                content = []
+                for lp in out.logprobs:
+                    token = _token_text(tok, lp.token_id)
+                    content.append({"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
+                                    "top_logprobs": [{"token": (t := _token_text(tok, tid)), "logprob": v,
+                                                      "bytes": list(t.encode())} for tid, v in lp.top]})
+                c.chat_logprobs += content
+                delta_lp = {"content": content}
+        c.length += len(out.text)
+        return index, c, delta_lp
+
+    def _chunk_base(self) -> dict:
+        p = self.p
+        obj = "text_completion" if p.kind == "completion" else "chat.completion.chunk"
+        return {"id": p.request_id, "object": obj, "created": p.created, "model": p.model}
+
+    def _chunks(self, i: int, out) -> list[dict]:
+        p = self.p
+        first_of_choice = (i * p.params.n + out.index) not in self.choices
+        index, _, delta_lp = self._absorb(i, out)
+        usage = {"usage": None} if p.include_usage else {}
+        if p.kind == "completion":
+            text = p.echo[i] + out.text if p.echo and first_of_choice else out.text
+            choice = {"index": index, "text": text, "logprobs": delta_lp, "finish_reason": out.finish_reason}
+            return [self._chunk_base() | {"choices": [choice]} | usage]
+        chunks = []
+        if first_of_choice:
+            chunks.append(self._chunk_base() | {"choices": [{"index": index, "delta": {
+                "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]} | usage)
+        if out.text or delta_lp or out.finish_reason:
+            delta = {"content": out.text} if out.text else {}
+            chunks.append(self._chunk_base() | {"choices": [{"index": index, "delta": delta, "logprobs": delta_lp,
+                                                             "finish_reason": out.finish_reason}]} | usage)
+        return chunks
+
+    def _usage(self) -> dict:
+        prompt = sum(len(x) for x in self.p.prompts)
+        completion = sum(c.generated for c in self.choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
+
+    def _final_body(self) -> dict:
+        p = self.p
+        choices = []
+        for index in sorted(self.choices):
+            c = self.choices[index]
+            text = "".join(c.text)
+            if p.echo:
+                text = p.echo[index // p.params.n] + text
+            if p.kind == "completion":
+                lp = None
+                if p.logprobs:
+                    offsets, pos = [], 0
+                    for t in c.tokens:
+                        offsets.append(pos)
+                        pos += len(t)
+                    lp = {"tokens": c.tokens, "token_logprobs": c.token_logprobs, "top_logprobs": c.top,
+                          "text_offset": offsets}
+                choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": {"content": c.chat_logprobs} if p.logprobs else None,
+                                "finish_reason": c.finish_reason})
+        obj = "text_completion" if p.kind == "completion" else "chat.completion"
+        return {"id": p.request_id, "object": obj, "created": p.created, "model": p.model,
+                "choices": choices, "usage": self._usage()}
+
+
+async def _wait_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
