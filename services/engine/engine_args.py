@@ -39,7 +39,7 @@ class EngineArgs:
     async_output: bool | None = None
     speculative_method: str | None = None  # None | "ngram"
     num_speculative_tokens: int = 4  # K: proposed tokens per sequence and step
-    ngram_min: int = 1
+    ngram_min: int = 2  # a single-token match proposes mostly noise
     ngram_max: int = 4
     speculative_disable_batch_size: int = 32  # no speculation in steps with more running sequences
     max_num_seqs: int = 256

@@ -15,7 +15,7 @@ STORY = ("Once upon a time, there was a little girl named Lily. She loved to pla
          "she saw a big, red ball.")
 # Prompts that quote a passage and start it again: the continuation repeats it, so lookups hit.
 REPEATING = [STORY + " " + STORY[:40], STORY[40:] + " " + STORY[40:90]]
-SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4, "ngram_min": 1}  # more drafts to check
 
 
 def _both(model, prompts, n_tokens, **kw):

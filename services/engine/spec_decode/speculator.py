@@ -10,7 +10,8 @@ are overwritten later, and no block is registered in the prefix cache past num_c
 Backoff: no speculation when more than `disable_batch_size` sequences run (a full batch is
 compute-bound: verifying K extra tokens per sequence would slow it), for sequences with penalties
 (their logits depend on every earlier token), and per sequence after
-proposals keep being rejected (K halves after a step that accepted nothing, and grows back).
+proposals keep being rejected (K halves after a step that accepted nothing, down to a rest of
+COOL_DOWN_STEPS steps without proposals, and grows back by one per accepted step).
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from kvrelay.engine.spec_decode.ngram import NgramProposer
 from kvrelay.engine.spec_decode.verify import speculates
 
 METHODS = ("ngram",)
+COOL_DOWN_STEPS = 8  # steps a sequence proposes nothing after proposals of one token kept failing
 
 
 @dataclass
 class SpecConfig:
     method: str
     num_tokens: int  # K
-    ngram_min: int = 1
+    ngram_min: int = 2
     ngram_max: int = 4
     disable_batch_size: int = 32
 
@@ -70,7 +72,11 @@ class Speculator:
             if n != 1 or seq.num_computed + 1 != seq.num_tokens or not speculates(seq):
                 continue  # a prefill chunk, or a sequence whose sampler depends on its history
             generated = seq.num_generated
-            k = min(self._k.get(seq, self.config.num_tokens), seq.max_tokens - generated - 1, room)
+            k = self._k.get(seq, self.config.num_tokens)
+            if k <= 0:  # resting after rejections
+                self._k[seq] = k + 1 if k < -1 else 1
+                continue
+            k = min(k, seq.max_tokens - generated - 1, room)
             proposal = self.proposer.propose(seq.token_ids, k) if k > 0 else []
             if not proposal or not self.scheduler.try_allocate(seq, 1 + len(proposal)):
                 continue
@@ -94,6 +100,8 @@ class Speculator:
         for pos in range(accepted):
             s.accepted_per_position[pos] += 1
         k = self._k.get(seq, self.config.num_tokens)
-        self._k[seq] = max(1, k // 2) if accepted == 0 else min(self.config.num_tokens, k + 1)
+        # Halve K after a step that accepted nothing; at zero the sequence rests (negative K counts
+        # the steps it waits before trying one token again); grow K back by one per success.
+        self._k[seq] = (k // 2 if k > 1 else -COOL_DOWN_STEPS) if accepted == 0 else min(self.config.num_tokens, k + 1)
         if len(self._k) > 4 * self.budget:  # forget finished sequences now and then
             self._k = {s: v for s, v in self._k.items() if not s.finished}
