@@ -168,7 +168,8 @@ def metric_sum(url: str, name: str) -> float:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=5).text
+    # The API port's /metrics wants a tenant's key when the server has a tenants file.
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {ALICE_KEY}"}, timeout=5).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 

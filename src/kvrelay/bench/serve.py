@@ -269,7 +269,8 @@ async def bench_serve(args: argparse.Namespace, console: Console) -> int:
     work = Workload(sessions, client, tenants, tokenizer, args.seed)
     slo = parse_slo(args.slo)
     shapes = load_shapes(args)
-    server = ServerMetrics(metrics_url(args.base_url, args.metrics_url), args.server_pid)
+    metrics_key = tenants[0].api_key if tenants else args.api_key
+    server = ServerMetrics(metrics_url(args.base_url, args.metrics_url), args.server_pid, api_key=metrics_key)
     console.print(
         f"[bold]kvrelay bench[/] {args.base_url} model {model!r}, {endpoint}, dataset {args.dataset}, "
         f"{len(shapes)} load level(s)"

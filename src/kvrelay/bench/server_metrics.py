@@ -79,13 +79,16 @@ class ServerMetrics:
     url: str | None
     pid: int | None = None
     timeout_s: float = 5.0
+    api_key: str | None = None  # kvrelay's API port answers /metrics only with a key when it has tenants
     available: bool | None = None  # None: not tried yet
 
     async def snapshot(self, http: aiohttp.ClientSession) -> ServerSnapshot:
         snap = ServerSnapshot()
         if self.url and self.available is not False:
             try:
-                async with http.get(self.url, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+                headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+                async with http.get(self.url, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
                     status, text = resp.status, await resp.text()
                 if status == 200:
                     samples = parse(text)
