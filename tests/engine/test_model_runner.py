@@ -95,11 +95,11 @@ def test_padded_decode_steps_give_the_same_tokens():
     build = engine.runner.inputs.build
     padded_steps = []
 
-    def padded(seqs, num_new, pad_decode_to=None):
+    def padded(seqs, num_new, pad_decode_to=None, all_logits=frozenset()):
         if pad_decode_to is None and all(n == 1 for n in num_new):
             pad_decode_to = len(num_new) + 3
             padded_steps.append(pad_decode_to)
-        return build(seqs, num_new, pad_decode_to)
+        return build(seqs, num_new, pad_decode_to, all_logits)
 
     engine.runner.inputs.build = padded
     assert run_engine(engine, requests) == want

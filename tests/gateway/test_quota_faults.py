@@ -73,9 +73,11 @@ def test_redis_frozen_during_admissions_takes_nothing_when_it_resumes(redis_serv
         # Served requests are charged what they used, to the token.
         r = httpx.post(gw.url + "/v1/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == 200, r.text
-        u = usage(redis_server.url, "stall")
-        assert u["tokens_per_day"] == u["tokens_per_minute"] == r.json()["usage"]["total_tokens"]
-        assert u["concurrent_requests"] == 0
+        # The lease is released and the use settled after the response went out: poll for it.
+        served = r.json()["usage"]["total_tokens"]
+        u = wait_for(lambda: (x := usage(redis_server.url, "stall"))["concurrent_requests"] == 0
+                     and x["tokens_per_day"] == served and x, 30, "the served request to be settled")
+        assert u["tokens_per_day"] == u["tokens_per_minute"] == served
     finally:
         gw.stop()
 

@@ -19,6 +19,6 @@ def test_all_kernels_compile_for_hopper():
     names = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("_")}
     assert names == {
         "_decode_kernel", "_combine_splits_kernel", "_prefill_kernel", "_rotary_kernel", "_write_kv_kernel",
-        "_rms_norm_kernel", "_silu_and_mul_kernel", "_copy_blocks_kernel", "_quantize_kernel",
+        "_rms_norm_kernel", "_act_and_mul_kernel", "_copy_blocks_kernel", "_quantize_kernel",
         "_int8_matmul_kernel",
     }
