@@ -23,6 +23,12 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="then profile as many steps with the forward replaced by fixed logits (the host work a GPU step "
+        "pays while the device computes) and print where the time goes (cProfile, by own time)",
+    )
     args = p.parse_args()
 
     import torch
@@ -61,6 +67,30 @@ def main() -> None:
         f"(target <= 2 ms)"
     )
     print(f"  peak RSS {peak_rss_mib():.0f} MiB")
+    if args.profile:
+        profile_host_work(engine, args.steps)
+
+
+def profile_host_work(engine, steps: int) -> None:
+    import cProfile
+    import pstats
+
+    import torch
+
+    logits = torch.randn(engine.args.max_num_seqs, engine.config.vocab_size)
+    engine.model.forward = lambda batch, kv_cache: logits[: batch.logits_indices.shape[0]]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    print(f"host work per step without the forward, {steps} steps under cProfile:")
+    stats.sort_stats("tottime").print_stats(12)
+    total = stats.total_tt
+    for name in ("_append_token", "build", "schedule", "sample"):
+        cum = sum(v[3] for k, v in stats.stats.items() if k[2] == name)
+        print(f"  {name}: {100 * cum / total:.0f}% of the step (with what it calls)")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,19 @@ def greedy_tokens(engine, prompts, n: int) -> list[list[int]]:
     return [out[f"p{i}"] for i in range(len(prompts))]
 
 
+def generate_all(engine, reqs, tag: str) -> tuple[int, float]:
+    """Run every (prompt ids, output length) request, greedy with EOS ignored: (tokens, seconds)."""
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    for i, (ids, n) in enumerate(reqs):
+        engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), f"{tag}{i}")
+    generated = 0
+    while engine.has_work():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    return generated, time.perf_counter() - start
+
+
 # ---- sections ---------------------------------------------------------------------------------
 
 
@@ -123,14 +136,16 @@ def _prefill_all(engine, nseq: int, ctx: int, extra: int, vocab: int, seed: int)
         engine.step()
 
 
-def _kernel_ms(prof, steps: int) -> float:
+def _kernel_ms(prof, calls: int) -> float:
+    """Device time of the CUDA kernels torch.profiler saw, per call (ms); zero-fill kernels (the L2
+    flush of kernel_only_ms) not counted."""
     import torch
 
     total_us = 0.0
     for e in prof.events():
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and "Fill" not in e.name:
             total_us += getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)
-    return total_us / 1e3 / steps
+    return total_us / 1e3 / calls
 
 
 def section_step(rep: Report, engine, vocab: int, cases, cuda: bool) -> None:
@@ -182,7 +197,6 @@ def section_step(rep: Report, engine, vocab: int, cases, cuda: bool) -> None:
 
 def section_throughput(rep: Report, engine, model_dir: Path, reqs, hf_batch: int, cuda: bool) -> None:
     import torch
-    from kvrelay.engine.sampling_params import SamplingParams
 
     runner = engine.runner
     captured = runner.graphs
@@ -192,13 +206,7 @@ def section_throughput(rep: Report, engine, model_dir: Path, reqs, hf_batch: int
     for mode, tokens in modes:
         runner.graphs = captured if mode == "graphs" else None
         engine.scheduler.config.max_num_batched_tokens = tokens
-        start = time.perf_counter()
-        for i, (ids, n) in enumerate(reqs):
-            engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), f"t{i}")
-        generated = 0
-        while engine.has_work():
-            generated += sum(len(o.new_token_ids) for o in engine.step())
-        seconds = time.perf_counter() - start
+        generated, seconds = generate_all(engine, reqs, "t")
         key = mode if tokens == 2048 else f"{mode}_{tokens}"
         rates[key] = generated / seconds
         rep.add(f"throughput_{key}", {"tokens": generated, "seconds": seconds, "tok_s": rates[key]},
@@ -313,11 +321,7 @@ def kernel_only_ms(fn, iters: int = 20) -> float:
             flush.zero_()
             fn()
         torch.cuda.synchronize()
-    total_us = 0.0
-    for e in prof.events():
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and "Fill" not in e.name:
-            total_us += getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)
-    return total_us / 1e3 / iters
+    return _kernel_ms(prof, iters)
 
 
 def _decode_kernel_case(rep: Report, ops, batch: int, context: int) -> None:
@@ -353,18 +357,11 @@ def section_decode_kernel_only(rep: Report, ops) -> None:
 def section_fp8_engine(rep: Report, bf16_engine, model_dir: Path, reqs, device: str) -> None:
     """--quantization fp8 on the same weights: throughput with graphs, and how many greedy tokens
     agree with the bf16 engine (W8A8 perturbs logits; random weights make near-ties common)."""
-    from kvrelay.engine.sampling_params import SamplingParams
 
     memory = 16 * 2**30 if device == "cuda" else 64 * 2**20
     engine = engine_for(model_dir, device, quantization="fp8", kv_cache_memory=memory, max_num_seqs=256,
                         max_num_batched_tokens=8192)
-    start = time.perf_counter()
-    for i, (ids, n) in enumerate(reqs):
-        engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), f"f{i}")
-    generated = 0
-    while engine.has_work():
-        generated += sum(len(o.new_token_ids) for o in engine.step())
-    seconds = time.perf_counter() - start
+    generated, seconds = generate_all(engine, reqs, "f")
     prompts = [ids for ids, _ in reqs[:8]]
     a, b = greedy_tokens(bf16_engine, prompts, 16), greedy_tokens(engine, prompts, 16)
     agree = sum(x == y for p, q in zip(a, b) for x, y in zip(p, q))

