@@ -86,3 +86,13 @@ def test_wheel_carries_every_subpackage_and_the_bundled_model(tmp_path):
     ):
         assert module in names, module
     assert not any(n.startswith("operator/") for n in names)
+    # Every source file under a mapped folder ships: a subpackage left out of pyproject's list
+    # works in the editable checkout and is missing from the image.
+    import tomllib
+
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in package_dir.items():
+        for source in (ROOT / folder).glob("*.py"):
+            assert f"{package.replace('.', '/')}/{source.name}" in names, source.relative_to(ROOT)
+    for init in ROOT.glob("services/**/__init__.py"):
+        assert init.parent.relative_to(ROOT).as_posix() in package_dir.values(), f"{init.parent} is not mapped"

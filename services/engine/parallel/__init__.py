@@ -1,0 +1,1 @@
+"""How the model is split over processes: tensor, pipeline and expert parallelism on torch.distributed."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (n-gram prompt lookup) and lossless verification."""
