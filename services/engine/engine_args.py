@@ -37,11 +37,13 @@ class EngineArgs:
     # Detokenize a step's tokens during the next step's forward; None: on CUDA only (on CPU the
     # forward is synchronous, so there is nothing to overlap with).
     async_output: bool | None = None
-    speculative_method: str | None = None  # None | "ngram"
+    speculative_method: str | None = None  # None | "ngram" | "draft"
+    speculative_model: str | None = None  # the draft model's folder (method "draft")
     num_speculative_tokens: int = 4  # K: proposed tokens per sequence and step
     ngram_min: int = 2  # a single-token match proposes mostly noise
     ngram_max: int = 4
-    speculative_disable_batch_size: int = 32  # no speculation in steps with more running sequences
+    speculative_disable_batch_size: int = 32
+    speculative_adaptive: bool = True  # measure, per batch size, whether speculating is faster  # no speculation in steps with more running sequences
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -103,10 +105,17 @@ class EngineArgs:
         parser.add_argument(
             "--speculative-method",
             default=None,
-            choices=["ngram"],
+            choices=["ngram", "draft"],
             help="speculative decoding: ngram proposes tokens by prompt lookup (over the prompt and the output "
-            "so far); verification keeps the output distribution exactly (default: off)",
+            "so far), draft by a smaller model (--speculative-model); verification keeps the output "
+            "distribution exactly (default: off)",
         )
+        parser.add_argument(
+            "--no-speculative-adaptive", dest="speculative_adaptive", action="store_false",
+            help="speculate in every step the batch-size limit allows, instead of where measured faster",
+        )
+        parser.add_argument("--speculative-model", default=None,
+                            help="the draft model's folder: same tokenizer and vocabulary as the target")
         parser.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
                             help="tokens proposed per sequence and step (1-16)")
         parser.add_argument("--ngram-min", type=int, default=d.ngram_min, help="shortest suffix n-gram looked up")

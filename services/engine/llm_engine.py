@@ -32,7 +32,8 @@ from kvrelay.engine.sampler import sample
 from kvrelay.engine.sampling_params import SamplingParams, defaults_from_generation_config
 from kvrelay.engine.scheduler import Scheduler, SchedulerConfig
 from kvrelay.engine.sequence import Sequence, Status
-from kvrelay.engine.spec_decode.speculator import SpecConfig, Speculator
+from kvrelay.engine.spec_decode.draft import DraftModel, kv_bytes_per_block, load_draft_config
+from kvrelay.engine.spec_decode.speculator import SpecConfig, Speculator, check_config
 from kvrelay.engine.spec_decode.verify import verify
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.engine.weights import assemble, dummy_tensors, pack_linears, quantize_linears, read_tensors
@@ -71,6 +72,12 @@ class LLMEngine(HandoffMixin):
         self.args = args
         self.kv_cache_storage = kv_cache_storage
         load_plugins(args.plugins)  # architectures and logits processors from installed packages
+        spec = None
+        if args.speculative_method is not None:
+            spec = SpecConfig(args.speculative_method, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
+                              args.speculative_disable_batch_size, args.speculative_model,
+                              args.speculative_adaptive)
+            check_config(spec)
         model_dir = Path(args.model)
         if not model_dir.is_dir():
             raise ModelLoadError(f"{model_dir}: model folder not found")
@@ -120,12 +127,21 @@ class LLMEngine(HandoffMixin):
 
         cfg = self.config
         bs = args.block_size
-        bytes_per_block = cfg.num_layers * 2 * bs * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        bytes_per_block = kv_bytes_per_block(cfg, self.dtype, bs)
+        sizing_bytes = bytes_per_block  # per block id: the target's K/V, and the draft's
+        draft = None
+        if spec is not None and spec.method == "draft":  # its KV cache shares the target's block ids
+            if _window_of_every_layer(cfg.windows) is not None:
+                raise ValueError("--speculative-method draft: the target frees blocks behind its sliding window, "
+                                 "which the draft still reads; use --speculative-method ngram")
+            draft = DraftModel(spec.model, load_draft_config(spec.model, cfg, self.tokenizer), self.dtype,
+                               self.device, self.ops, self.max_model_len)
+            sizing_bytes += kv_bytes_per_block(draft.config, self.dtype, bs)
         use_graphs = self.device.type == "cuda" and not args.enforce_eager and self.ops.backend == "triton"
         if args.num_kv_blocks:
             num_blocks = args.num_kv_blocks
         elif args.kv_cache_memory is not None:
-            num_blocks = args.kv_cache_memory // bytes_per_block
+            num_blocks = args.kv_cache_memory // sizing_bytes
         elif self.device.type == "cuda":
             plan = plan_kv_cache(
                 self.model, cfg, self.dtype, self.device, args.gpu_memory_utilization, bs,
@@ -133,9 +149,9 @@ class LLMEngine(HandoffMixin):
                 bucket_sizes(args.max_num_seqs)[-1] if use_graphs else 1,
             )
             log.info("%s", plan.describe())
-            num_blocks = plan.kv_bytes // bytes_per_block
+            num_blocks = plan.kv_bytes // sizing_bytes
         else:
-            num_blocks = CPU_KV_CACHE_BYTES // bytes_per_block
+            num_blocks = CPU_KV_CACHE_BYTES // sizing_bytes
         if num_blocks * bs < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), less than one "
@@ -164,11 +180,10 @@ class LLMEngine(HandoffMixin):
             self.pool,
         )
         self.speculator = None
-        if args.speculative_method is not None:
-            self.speculator = Speculator(
-                SpecConfig(args.speculative_method, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
-                           args.speculative_disable_batch_size),
-                self.scheduler, args.max_num_batched_tokens)
+        if spec is not None:
+            if draft is not None:
+                draft.allocate(num_blocks, bs, args.max_num_seqs, args.max_num_batched_tokens)
+            self.speculator = Speculator(spec, self.scheduler, args.max_num_batched_tokens, draft)
         self.eos_ids = _as_id_set(self.generation_config.get("eos_token_id"))
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -361,7 +376,14 @@ class LLMEngine(HandoffMixin):
         for seq in step.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        proposals = self.speculator.propose(step) if self.speculator is not None else {}
+        if self.speculator is None:
+            return self._run(step, {})
+        tokens_before = self.generation_tokens_total
+        outputs = self._run(step, self.speculator.propose(step))
+        self.speculator.finish_step(self.generation_tokens_total - tokens_before)
+        return outputs
+
+    def _run(self, step, proposals: dict) -> list[RequestOutput]:
         logits, sample_idx, rows = self.runner.execute(step.seqs, step.num_new, frozenset(proposals))
         if proposals:
             self.speculator.withdraw(step, proposals)
@@ -401,7 +423,7 @@ class LLMEngine(HandoffMixin):
                 proposal, computed_before = proposals[i]
                 if not seq.finished:
                     emitted, lps = verify(seq, logits[start : start + count], proposal)
-                    self.speculator.record(seq, proposal, emitted)
+                    self.speculator.record(seq, proposal, emitted, computed_before)
                     now = time.monotonic()
                     for token, lp in zip(emitted, lps):
                         if seq.finished:

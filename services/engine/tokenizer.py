@@ -73,6 +73,10 @@ class Tokenizer:
     def _raise(message: str):
         raise InvalidRequestError(f"chat template: {message}", field="messages")
 
+    def vocab(self) -> dict[str, int]:
+        """Token text -> id, added tokens included (a draft model's tokenizer is checked against it)."""
+        return self._tk.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized
         # in a worker thread leaves the caller's event loop running.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvrelay.kvtransfer.metrics import spec_decode_metrics
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -47,6 +48,18 @@ class _GaugeCollector:
             yield family
 
 
+class _EngineCounters:
+    """Counters of an in-process engine (`serve`) that the workers export too: speculative decoding."""
+
+    def __init__(self, stats: Callable[[], object | None]):
+        self._stats = stats
+
+    def collect(self):
+        s = self._stats()
+        if s is not None:
+            yield from spec_decode_metrics(s)
+
+
 class GatewayMetrics:
     def __init__(self, max_tenant_labels: int = 100, per_tenant: bool = True):
         self.registry = CollectorRegistry(auto_describe=True)
@@ -73,8 +86,11 @@ class GatewayMetrics:
         self.errors = Counter("kvrelay:request_errors", "Requests answered with an error status",
                               ["status"], registry=r)
 
-    def attach_gauges(self, read: Callable[[], dict[str, list[tuple[dict[str, str], float]]]]) -> None:
+    def attach_gauges(self, read: Callable[[], dict[str, list[tuple[dict[str, str], float]]]],
+                      engine_stats: Callable[[], object | None] | None = None) -> None:
         self.registry.register(_GaugeCollector(read))
+        if engine_stats is not None:
+            self.registry.register(_EngineCounters(engine_stats))
 
     def tenant(self, tenant_id: str) -> str:
         """The label value for a tenant, bounded in cardinality."""

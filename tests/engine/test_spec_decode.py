@@ -15,7 +15,8 @@ STORY = ("Once upon a time, there was a little girl named Lily. She loved to pla
          "she saw a big, red ball.")
 # Prompts that quote a passage and start it again: the continuation repeats it, so lookups hit.
 REPEATING = [STORY + " " + STORY[:40], STORY[40:] + " " + STORY[40:90]]
-SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4, "ngram_min": 1}  # more drafts to check
+SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4, "ngram_min": 1,  # more drafts to check
+        "speculative_adaptive": False}  # every step the limits allow: coverage must not depend on timing
 
 
 def _both(model, prompts, n_tokens, **kw):
@@ -210,3 +211,29 @@ def test_counters_reach_the_engine_stats_and_the_workers_metrics():
     assert f"kvrelay:spec_decode_num_drafts_total {float(s.spec_num_drafts)}" in text
     assert 'kvrelay:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in text
     assert "spec_decode" not in generate_latest(WorkerMetrics(make_engine(BUNDLED_MODEL)).registry).decode()
+
+
+def test_the_controller_runs_the_faster_mode_and_keeps_exploring():
+    from kvrelay.engine.spec_decode.controller import EXPLORE_EVERY, SpecController
+
+    c = SpecController()
+    assert c.should_speculate(16)  # nothing measured: try speculation first
+    c.record(16, True, tokens=40, seconds=0.01)  # 4,000 tok/s speculating
+    assert not c.should_speculate(16)  # then plain, to compare
+    c.record(16, False, tokens=16, seconds=0.002)  # 8,000 tok/s plain: plain wins
+    choices = [c.should_speculate(16) for _ in range(4 * EXPLORE_EVERY)]
+    assert choices.count(True) == 4  # one exploring step in EXPLORE_EVERY
+    assert c.preferred(16) is False and c.preferred(1) is True  # batch 1 is measured on its own
+    for _ in range(10):  # the workload changes: speculation now wins
+        c.record(16, True, tokens=80, seconds=0.005)
+    assert c.preferred(16) is True
+
+
+def test_seeded_tokens_do_not_depend_on_batch_level_decisions():
+    """The batch-size limit turns speculation off for the batch, not for a seeded sequence: its
+    random stream would otherwise be consumed differently in a busy batch."""
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=5)
+    want = run_engine(make_engine(BUNDLED_MODEL, **SPEC), {"s": (REPEATING[0], params)})
+    busy = make_engine(BUNDLED_MODEL, **(SPEC | {"speculative_disable_batch_size": 2}))
+    others = {f"o{i}": (p, greedy(25)) for i, p in enumerate(PROMPTS)}
+    assert run_engine(busy, {**others, "s": (REPEATING[0], params)})["s"] == want["s"]

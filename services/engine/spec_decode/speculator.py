@@ -7,23 +7,30 @@ the cache). After the forward the proposals are removed again, verified (verify.
 emitted tokens enter the sequence; K/V written for rejected positions lie beyond num_computed and
 are overwritten later, and no block is registered in the prefix cache past num_computed.
 
-Backoff: no speculation when more than `disable_batch_size` sequences run (a full batch is
-compute-bound: verifying K extra tokens per sequence would slow it), for sequences with penalties
-(their logits depend on every earlier token), and per sequence after
-proposals keep being rejected (K halves after a step that accepted nothing, down to a rest of
-COOL_DOWN_STEPS steps without proposals, and grows back by one per accepted step).
+Backoff, per step: no speculation when more than `disable_batch_size` sequences run, and in
+steps where the throughput controller (controller.py) has measured plain decoding to be faster at
+this batch size. Per sequence: none with penalties (their logits depend on every earlier token),
+and less after proposals keep being rejected (K halves after a step that accepted nothing, down to
+a rest of COOL_DOWN_STEPS steps without proposals, and grows back by one per accepted step).
+Seeded sampled sequences follow only their own backoff, never the batch-level decisions: whether a
+step speculates changes how many uniforms their random stream gives up, so a batch-level decision
+would make their tokens depend on the rest of the batch (their proposals also get the token budget
+first; a budget smaller than the batch's proposals is the one case where that still can).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from kvrelay.engine.scheduler import ScheduledStep, Scheduler
 from kvrelay.engine.sequence import Sequence
+from kvrelay.engine.spec_decode.controller import SpecController
+from kvrelay.engine.spec_decode.draft import DraftModel
 from kvrelay.engine.spec_decode.ngram import NgramProposer
 from kvrelay.engine.spec_decode.verify import speculates
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 COOL_DOWN_STEPS = 8  # steps a sequence proposes nothing after proposals of one token kept failing
 
 
@@ -34,6 +41,8 @@ class SpecConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     disable_batch_size: int = 32
+    model: str | None = None  # the draft model's folder (method "draft")
+    adaptive: bool = True  # the throughput controller may turn speculation off per step
 
 
 @dataclass
@@ -46,53 +55,112 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
 
 
+def _seeded(seq: Sequence) -> bool:
+    return seq.rng is not None and seq.params.seed is not None
+
+
+def check_config(config: SpecConfig) -> None:
+    """The flags' errors, raised at start before any model loads."""
+    if config.method not in METHODS:
+        raise ValueError(f"--speculative-method must be one of {', '.join(METHODS)}, got {config.method!r}")
+    if not 1 <= config.num_tokens <= 16:
+        raise ValueError(f"--num-speculative-tokens must be between 1 and 16, got {config.num_tokens}")
+    if config.method == "draft" and not config.model:
+        raise ValueError("--speculative-method draft needs --speculative-model DIR (a smaller model with the "
+                         "target's tokenizer)")
+    if config.method != "draft" and config.model:
+        raise ValueError("--speculative-model is used by --speculative-method draft only")
+
+
 class Speculator:
-    def __init__(self, config: SpecConfig, scheduler: Scheduler, max_num_batched_tokens: int):
-        if config.method not in METHODS:
-            raise ValueError(f"--speculative-method must be one of {', '.join(METHODS)}, got {config.method!r}")
-        if not 1 <= config.num_tokens <= 16:
-            raise ValueError(f"--num-speculative-tokens must be between 1 and 16, got {config.num_tokens}")
+    def __init__(self, config: SpecConfig, scheduler: Scheduler, max_num_batched_tokens: int,
+                 draft: DraftModel | None = None):
+        check_config(config)
+        if (config.method == "draft") != (draft is not None):
+            raise ValueError("the draft method runs with a DraftModel, and only it")
         self.config = config
+        self.draft = draft
         self.scheduler = scheduler
         self.budget = max_num_batched_tokens
         self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
         self.stats = SpecStats(accepted_per_position=[0] * config.num_tokens)
         self._k: dict[Sequence, int] = {}  # per-sequence K after backoff
+        self.controller = SpecController()
+        self._measuring: tuple[int, bool, float] | None = None
 
     def propose(self, step: ScheduledStep) -> dict[int, tuple[list[int], int]]:
         """Extend eligible decodes of step with proposals (in place: token ids and num_new). Returns
         {index in step.seqs: (proposal, num_computed before the step)}."""
-        if len(step.seqs) > self.config.disable_batch_size:
-            return {}
+        batch = len(step.seqs)
+        decode_only = all(n == 1 for n in step.num_new)
+        if batch > self.config.disable_batch_size:
+            on = False
+        elif not self.config.adaptive:
+            on = True
+        elif decode_only:  # the steps the controller measures
+            on = self.controller.should_speculate(batch)
+        else:
+            on = self.controller.preferred(batch)
+        start = time.perf_counter()
         room = self.budget - sum(step.num_new)
         out = {}
-        for i, (seq, n) in enumerate(zip(step.seqs, step.num_new)):
+        drafting: list[tuple[int, int]] = []  # (index in step.seqs, K) waiting for the draft model
+        # Seeded sampled sequences first, and whatever the batch-level decision: how many uniforms
+        # their random stream gives up depends on whether they speculate, so only their own history
+        # may decide it (their tokens then do not depend on the rest of the batch).
+        order = sorted(range(batch), key=lambda i: not _seeded(step.seqs[i]))
+        for i in order:
+            seq, n = step.seqs[i], step.num_new[i]
             if room <= 0:
                 break
             if n != 1 or seq.num_computed + 1 != seq.num_tokens or not speculates(seq):
                 continue  # a prefill chunk, or a sequence whose sampler depends on its history
-            generated = seq.num_generated
+            if not on and not _seeded(seq):
+                continue
             k = self._k.get(seq, self.config.num_tokens)
             if k <= 0:  # resting after rejections
                 self._k[seq] = k + 1 if k < -1 else 1
                 continue
-            k = min(k, seq.max_tokens - generated - 1, room)
-            proposal = self.proposer.propose(seq.token_ids, k) if k > 0 else []
-            if not proposal or not self.scheduler.try_allocate(seq, 1 + len(proposal)):
+            k = min(k, seq.max_tokens - seq.num_generated - 1, room)
+            if k <= 0:
                 continue
+            if self.draft is not None:  # slots first: the draft writes its K/V into the same blocks
+                if self.scheduler.try_allocate(seq, 1 + k):
+                    drafting.append((i, k))
+                    room -= k
+                continue
+            proposal = self.proposer.propose(seq.token_ids, k)
+            if proposal and self.scheduler.try_allocate(seq, 1 + len(proposal)):
+                out[i] = proposal
+                room -= len(proposal)
+        if drafting:
+            drafts = self.draft.propose([step.seqs[i] for i, _ in drafting], [k for _, k in drafting])
+            out.update({i: d for (i, _), d in zip(drafting, drafts) if d})
+        # Measured as a speculative step only when it carried proposals.
+        self._measuring = (batch, bool(out), start) if decode_only and self.config.adaptive else None
+        for i, proposal in out.items():
+            seq = step.seqs[i]
             out[i] = (proposal, seq.num_computed)
             seq.token_ids.extend(proposal)
             step.num_new[i] = 1 + len(proposal)
-            room -= len(proposal)
         return out
+
+    def finish_step(self, tokens: int) -> None:
+        """The step that propose() began emitted `tokens` tokens: feed the controller."""
+        if self._measuring is not None:
+            batch, on, start = self._measuring
+            self.controller.record(batch, on, tokens, time.perf_counter() - start)
+            self._measuring = None
 
     def withdraw(self, step: ScheduledStep, proposals: dict[int, tuple[list[int], int]]) -> None:
         """Take the proposals out of the token ids again (right after the forward)."""
         for i, (proposal, _) in proposals.items():
             del step.seqs[i].token_ids[-len(proposal) :]
 
-    def record(self, seq: Sequence, proposal: list[int], emitted: list[int]) -> None:
+    def record(self, seq: Sequence, proposal: list[int], emitted: list[int], computed_before: int) -> None:
         accepted = len(emitted) - 1
+        if self.draft is not None:  # its K/V stays valid up to the last accepted proposal it fed
+            self.draft.rollback(seq, computed_before + 1 + min(accepted, len(proposal) - 1))
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += len(proposal)
