@@ -182,7 +182,7 @@ class LLMEngine(HandoffMixin):
         self.speculator = None
         if spec is not None:
             if draft is not None:
-                draft.allocate(num_blocks, bs, args.max_num_seqs, args.max_num_batched_tokens)
+                draft.allocate(num_blocks, bs, args.max_num_seqs, args.max_num_batched_tokens, use_graphs)
             self.speculator = Speculator(spec, self.scheduler, args.max_num_batched_tokens, draft)
         self.eos_ids = _as_id_set(self.generation_config.get("eos_token_id"))
         if self.tokenizer.eos_token_id is not None:

@@ -21,6 +21,7 @@ def test_gpu_engine_cpu_smoke_runs_every_section():
     assert "decode step 4 seqs" in summary and "throughput kvrelay eager" in summary
     assert "throughput HF generate" in summary
     assert "decode_attention[splits=2]" in out.stdout and "int8_matmul" in out.stdout
+    assert "speculative draft=target, batch 16" in summary and "identical to plain: True" in summary
     assert summary.rstrip().endswith("# failed sections: none")
 
 

@@ -21,7 +21,7 @@ from kvrelay.engine import architectures
 from kvrelay.engine.errors import ModelLoadError
 from kvrelay.engine.model import DecoderModel
 from kvrelay.engine.model_config import ModelConfig, load_model_config
-from kvrelay.engine.runner.input_batch import InputBatch
+from kvrelay.engine.runner.model_runner import ModelRunner
 from kvrelay.engine.sequence import Sequence
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.engine.weights import assemble, pack_linears, read_tensors
@@ -101,13 +101,18 @@ class DraftModel:
         self.dtype, self.device, self.max_model_len = dtype, device, max_model_len
         self._views: dict[Sequence, _DraftView] = {}
 
-    def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        """The draft's KV cache, indexed by the target's block ids."""
+    def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 cuda_graphs: bool = False) -> None:
+        """The draft's KV cache, indexed by the target's block ids, and its model runner (decode
+        CUDA graphs where the target has them: the draft's K forwards are decode-only but the first)."""
         c = self.config
         shape = (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.budget = max_num_batched_tokens
-        self.inputs = InputBatch(block_size, self.max_model_len, max_num_seqs, max_num_batched_tokens, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.max_model_len, max_num_seqs,
+                                  max_num_batched_tokens)
+        if cuda_graphs:
+            self.runner.capture_graphs()
 
     def _view(self, seq: Sequence) -> _DraftView:
         view = self._views.get(seq)
@@ -133,12 +138,11 @@ class DraftModel:
             num_new.append(n)
             room -= n
         while active:
-            built = self.inputs.build([views[i] for i in active], num_new)
-            logits = self.model.forward(built.batch, self.kv_cache)
-            best = logits.argmax(dim=-1).tolist()  # one small copy per draft forward
+            logits, sample_idx, _ = self.runner.execute([views[i] for i in active], num_new)
+            best = logits.argmax(dim=-1).tolist() if sample_idx else []  # one small copy per forward
             for j, i in enumerate(active):
                 views[i].num_computed += num_new[j]
-            for row, j in enumerate(built.sample_idx):  # the sequences whose input reached the end
+            for row, j in enumerate(sample_idx):  # the sequences whose input reached the end
                 i = active[j]
                 out[i].append(best[row])
                 seqs[i].token_ids.append(best[row])  # the next forward feeds it
@@ -148,7 +152,7 @@ class DraftModel:
             if proposal:
                 del seq.token_ids[-len(proposal) :]
         # The last proposal of each was never fed: the draft's K/V ends one token before it.
-        if len(self._views) > 4 * len(self.inputs.tables.table):
+        if len(self._views) > 4 * len(self.runner.inputs.tables.table):
             self._views = {s: v for s, v in self._views.items() if not s.finished}
         return out
 
