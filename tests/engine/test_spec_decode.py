@@ -214,19 +214,29 @@ def test_counters_reach_the_engine_stats_and_the_workers_metrics():
 
 
 def test_the_controller_runs_the_faster_mode_and_keeps_exploring():
-    from kvrelay.engine.spec_decode.controller import EXPLORE_EVERY, SpecController
+    from kvrelay.engine.spec_decode.controller import EXPLORE_EVERY, MIN_SAMPLES, SpecController
 
     c = SpecController()
-    assert c.should_speculate(16)  # nothing measured: try speculation first
-    c.record(16, True, tokens=40, seconds=0.01)  # 4,000 tok/s speculating
-    assert not c.should_speculate(16)  # then plain, to compare
-    c.record(16, False, tokens=16, seconds=0.002)  # 8,000 tok/s plain: plain wins
-    choices = [c.should_speculate(16) for _ in range(4 * EXPLORE_EVERY)]
-    assert choices.count(True) == 4  # one exploring step in EXPLORE_EVERY
+    for _ in range(MIN_SAMPLES):  # nothing measured: speculation first
+        assert c.should_speculate(16)
+        c.record(16, True, tokens=40, seconds=0.01)  # 4,000 tok/s speculating
+    for _ in range(MIN_SAMPLES):  # then plain, to compare
+        assert not c.should_speculate(16)
+        c.record(16, False, tokens=16, seconds=0.002)  # 8,000 tok/s plain: plain wins
+    choices = [c.should_speculate(16) for _ in range(16 * EXPLORE_EVERY)]
+    assert choices.count(True) == 4  # far behind (half the rate): one exploring step in 4 * EXPLORE_EVERY
+    close = SpecController()
+    for mode, tokens in ((True, 70), (False, 80)):  # 7,000 against 8,000 tok/s
+        for _ in range(MIN_SAMPLES):
+            close.record(16, mode, tokens=tokens, seconds=0.01)
+    choices = [close.should_speculate(16) for _ in range(4 * EXPLORE_EVERY)]
+    assert choices.count(True) == 4  # close behind: one in EXPLORE_EVERY
     assert c.preferred(16) is False and c.preferred(1) is True  # batch 1 is measured on its own
     for _ in range(10):  # the workload changes: speculation now wins
         c.record(16, True, tokens=80, seconds=0.005)
     assert c.preferred(16) is True
+    c.record(16, False, tokens=1, seconds=0.01)  # one slow step moves a ratio of decayed sums little
+    assert c.rates()[16][False] > 1000
 
 
 def test_seeded_tokens_do_not_depend_on_batch_level_decisions():

@@ -128,13 +128,31 @@ class InputBatch:
         rows write no K/V (slot -1) and attend to nothing (length 0). all_logits: indices of seqs
         whose every new token gets a row of logits (speculative verification), not only the last."""
         bs = self.bs
+        # Decode rows: single-token decodes, and the short extend chunks of speculative verification
+        # (all_logits), one row per token: the row at position p attends to the cache up to p, which
+        # the step has written by then. So verification runs the batched decode kernel, not a
+        # prefill kernel launched per tiny chunk.
         dec, pre = [], []
         for i, n in enumerate(num_new):
-            (dec if n == 1 else pre).append(i)
-        nd = len(dec)
-        rows_dec = np.fromiter((self.tables.row(seqs[i]) for i in dec), dtype=np.int64, count=nd)
-        pos_dec = np.fromiter((seqs[i].num_computed for i in dec), dtype=np.int64, count=nd)
-        ids_dec = np.fromiter((seqs[i].token_ids[seqs[i].num_computed] for i in dec), dtype=np.int64, count=nd)
+            (dec if n == 1 or i in all_logits else pre).append(i)
+        if not all_logits:
+            nd = len(dec)
+            counts_dec = None
+            rows_dec = np.fromiter((self.tables.row(seqs[i]) for i in dec), dtype=np.int64, count=nd)
+            pos_dec = np.fromiter((seqs[i].num_computed for i in dec), dtype=np.int64, count=nd)
+            ids_dec = np.fromiter((seqs[i].token_ids[seqs[i].num_computed] for i in dec), dtype=np.int64,
+                                  count=nd)
+        else:
+            counts_dec = np.fromiter((num_new[i] for i in dec), dtype=np.int64, count=len(dec))
+            nd = int(counts_dec.sum())
+            rows_dec = np.repeat(np.fromiter((self.tables.row(seqs[i]) for i in dec), dtype=np.int64,
+                                             count=len(dec)), counts_dec)
+            starts = np.fromiter((seqs[i].num_computed for i in dec), dtype=np.int64, count=len(dec))
+            first = np.cumsum(counts_dec) - counts_dec
+            pos_dec = np.repeat(starts, counts_dec) + (np.arange(nd) - np.repeat(first, counts_dec))
+            ids_dec = np.fromiter(
+                (t for i in dec for t in seqs[i].token_ids[seqs[i].num_computed : seqs[i].num_computed + num_new[i]]),
+                dtype=np.int64, count=nd)
         pad = 0 if pad_decode_to is None else pad_decode_to - nd
         if pad < 0 or pad and pre:
             raise ValueError("only a decode-only step is padded, and never to fewer rows than it has")
@@ -171,13 +189,23 @@ class InputBatch:
 
         # Rows whose step reaches the last known token sample the next one; a prefill row's logits
         # come from its chunk's last token.
-        sample_idx, logits_rows = [], []
-        for r, i in enumerate(dec):
-            if seqs[i].num_computed + 1 == seqs[i].num_tokens:
-                sample_idx.append(i)
-                logits_rows.append(r)
+        sample_idx, logits_rows, rows_per_sample = [], [], []
+        if counts_dec is None:
+            for r, i in enumerate(dec):
+                if seqs[i].num_computed + 1 == seqs[i].num_tokens:
+                    sample_idx.append(i)
+                    logits_rows.append(r)
+            rows_per_sample = [1] * len(sample_idx)
+        else:
+            end = 0
+            for i, n in zip(dec, counts_dec.tolist()):
+                end += n
+                if seqs[i].num_computed + n == seqs[i].num_tokens:
+                    sample_idx.append(i)
+                    count = n if i in all_logits else 1
+                    logits_rows.extend(range(end - count, end))
+                    rows_per_sample.append(count)
         ends = (nd + pad + np.cumsum(pre_counts) - 1).tolist()
-        rows_per_sample = [1] * len(sample_idx)
         for k, i in enumerate(pre):
             if seqs[i].num_computed + num_new[i] == seqs[i].num_tokens:
                 sample_idx.append(i)
@@ -191,7 +219,7 @@ class InputBatch:
             lg[len(logits_rows) :] = np.arange(nd, nd + pad)
 
         rows_d = nd + pad
-        wd = max((len(seqs[i].block_table) for i in dec), default=0)
+        wd = max((len(seqs[i].block_table) for i in dec), default=0)  # rows may repeat a sequence
         wp = max((len(seqs[i].block_table) for i in pre), default=0)
         dbt, dbt_off = st.take(rows_d * wd, np.int32)
         dbt = dbt.reshape(rows_d, wd)

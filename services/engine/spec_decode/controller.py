@@ -4,23 +4,38 @@ Speculation pays when verifying K extra tokens per sequence costs less than the 
 save. That depends on the model, the device, the batch and the acceptance of the workload, so no
 fixed threshold holds everywhere (on CPU with a tiny model, per-sequence host work dominates and a
 batch of 16 runs slower with proposals; on a GPU the same batch is memory-bound and gains). The
-controller measures instead: for each batch-size bucket it keeps a moving average of tokens emitted
-per second of decode-only steps with and without speculation, runs the faster mode, and spends one
-step in EXPLORE_EVERY on the other mode so that the estimate follows the workload.
+controller measures instead: for each batch-size bucket it keeps decayed sums of tokens emitted and
+seconds spent in decode-only steps with and without speculation (a ratio of sums: one unlucky step
+moves it little), tries each mode MIN_SAMPLES times, then runs the faster one and spends one step in
+EXPLORE_EVERY on the other (one in 4x as many when it is far behind), so that the estimate follows
+the workload without paying much for it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-EXPLORE_EVERY = 16  # steps per bucket between tries of the mode that currently loses
-SMOOTHING = 0.2  # weight of the newest step in the moving average
+EXPLORE_EVERY = 8  # steps per bucket between tries of the mode that currently loses (when close)
+FAR_BEHIND = 0.75  # a loser below this fraction of the winner's rate is tried 4x less often
+MIN_SAMPLES = 3  # measured steps of each mode before the faster one is chosen
+DECAY = 0.9  # weight of the older steps' sums at each new step of that mode
 
 
 @dataclass
 class _Bucket:
-    rate: dict[bool, float] = field(default_factory=dict)  # speculate? -> tokens per second
+    tokens: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})  # speculate? -> sum
+    seconds: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    samples: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     steps: int = 0
+
+    def rate(self, mode: bool) -> float:
+        return self.tokens[mode] / self.seconds[mode] if self.seconds[mode] else 0.0
+
+    def faster(self) -> bool | None:
+        """The faster mode, or None while either has fewer than MIN_SAMPLES measured steps."""
+        if min(self.samples.values()) < MIN_SAMPLES:
+            return None
+        return self.rate(True) >= self.rate(False)
 
 
 class SpecController:
@@ -34,28 +49,27 @@ class SpecController:
     def should_speculate(self, batch: int) -> bool:
         b = self._buckets.setdefault(self._key(batch), _Bucket())
         b.steps += 1
-        if True not in b.rate:
-            return True
-        if False not in b.rate:
-            return False
-        best = b.rate[True] >= b.rate[False]
-        return (not best) if b.steps % EXPLORE_EVERY == 0 else best
+        best = b.faster()
+        if best is None:  # speculation first, then plain, until both have their samples
+            return b.samples[True] < MIN_SAMPLES
+        close = b.rate(not best) >= FAR_BEHIND * b.rate(best)
+        every = EXPLORE_EVERY if close else 4 * EXPLORE_EVERY
+        return (not best) if b.steps % every == 0 else best
 
     def preferred(self, batch: int) -> bool:
         """The faster mode so far, for steps that are not measured (they carry prefill chunks)."""
         b = self._buckets.get(self._key(batch))
-        if b is None or True not in b.rate or False not in b.rate:
-            return True
-        return b.rate[True] >= b.rate[False]
+        best = b.faster() if b is not None else None
+        return True if best is None else best
 
     def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One decode-only step's outcome: tokens emitted in `seconds` of step time."""
         if seconds <= 0:
             return
         b = self._buckets.setdefault(self._key(batch), _Bucket())
-        rate = tokens / seconds
-        old = b.rate.get(speculated)
-        b.rate[speculated] = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
+        b.tokens[speculated] = DECAY * b.tokens[speculated] + tokens
+        b.seconds[speculated] = DECAY * b.seconds[speculated] + seconds
+        b.samples[speculated] += 1
 
     def rates(self) -> dict[int, dict[bool, float]]:
-        return {k: dict(b.rate) for k, b in self._buckets.items()}
+        return {k: {m: b.rate(m) for m in (True, False)} for k, b in self._buckets.items()}
