@@ -147,3 +147,58 @@ def test_serve_speculates_with_a_draft_and_exports_its_counters(draft, tmp_path)
         proc.terminate()
         proc.wait(15)
         log.close()
+
+
+def _perturbed_copy(src, dst, scale: float):
+    """src with noise on every weight: the same shapes and vocabulary, other predictions now and then."""
+    import torch
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    noisy = {k: v + scale * v.std() * torch.randn(v.shape, generator=gen) if v.ndim == 2 else v
+             for k, v in tensors.items()}
+    save_file(noisy, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_tokens_are_identical_on_random_tiny_models(tiny_models, tmp_path, arch):
+    draft = _perturbed_copy(tiny_models[arch], tmp_path / "draft", 0.05)
+    prompts = [list(range(3, 40)), [5, 6, 7, 8, 9], list(range(100, 180))]
+    requests = {str(i): (p, greedy(32)) for i, p in enumerate(prompts * 3)}
+    want = run_engine(make_engine(tiny_models[arch]), requests)
+    engine = make_engine(tiny_models[arch], **_spec(draft))
+    assert run_engine(engine, requests) == want
+    s = engine.speculator.stats
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+
+
+def test_sampled_continuations_have_the_same_distribution(tiny_models, tmp_path):
+    """Second and third sampled tokens with a draft against plain sampling: chi-square on the
+    contingency table of outcomes (the draft's greedy proposals are a one-hot q)."""
+    import collections
+
+    from scipy.stats import chi2_contingency
+
+    draft = _perturbed_copy(tiny_models["llama"], tmp_path / "draft", 0.3)
+    prompt = list(range(3, 60))
+    counts = []
+    for kw in ({}, _spec(draft, speculative_disable_batch_size=10_000)):
+        engine = make_engine(tiny_models["llama"], max_num_seqs=256, **kw)
+        outs: dict[tuple, list] = collections.defaultdict(list)
+        for r in range(50):
+            params = SamplingParams(max_tokens=3, temperature=1.5, seed=1000 * r, n=16, ignore_eos=True)
+            engine.add_request(prompt, params, f"r{r}")
+        while engine.has_work():
+            for o in engine.step():
+                outs[(o.request_id, o.index)] += o.new_token_ids
+        counts.append(collections.Counter(tuple(v[1:]) for v in outs.values()))
+        if kw:
+            s = engine.speculator.stats
+            assert s.num_drafts > 50 and 0 < s.num_accepted_tokens < s.num_draft_tokens
+    keys = sorted(set(counts[0]) | set(counts[1]), key=lambda k: -(counts[0][k] + counts[1][k]))
+    common = [k for k in keys if counts[0][k] + counts[1][k] >= 10]
+    table = [[c[k] for k in common] + [sum(c.values()) - sum(c[k] for k in common)] for c in counts]
+    _, p_value, _, _ = chi2_contingency(table)
+    assert p_value > 1e-3, (p_value, table)
