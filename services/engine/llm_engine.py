@@ -35,6 +35,8 @@ from kvrelay.engine.sequence import Sequence, Status
 from kvrelay.engine.spec_decode.draft import DraftModel, kv_bytes_per_block, load_draft_config
 from kvrelay.engine.spec_decode.speculator import SpecConfig, Speculator, check_config
 from kvrelay.engine.spec_decode.verify import verify
+from kvrelay.engine.structured.compiler import compiler_for
+from kvrelay.engine.structured.mask import GrammarState
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.engine.weights import assemble, dummy_tensors, pack_linears, quantize_linears, read_tensors
 from kvrelay.kernels.registry import cpu_backend, get_ops
@@ -187,6 +189,8 @@ class LLMEngine(HandoffMixin):
         self.eos_ids = _as_id_set(self.generation_config.get("eos_token_id"))
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        # Structured output: compiled grammars, shared with the gateway's validation in `serve`.
+        self.grammars = compiler_for(self.tokenizer, tuple(self.eos_ids))
         self.requests: dict[str, list[Sequence]] = {}
         # Held while K/V is written into a reservation from outside the engine thread
         # (write_reserved), and while abort() frees a reservation: never freed under a writer.
@@ -266,6 +270,8 @@ class LLMEngine(HandoffMixin):
             bias = (torch.tensor(list(params.logit_bias), dtype=torch.int64, device=self.device),
                     torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device))
         root = cache_root(cache_salt)
+        # A cache hit when the caller compiled off this thread first (AsyncEngine does).
+        grammar = self.grammars.get(params.structured) if params.structured is not None else None
         seqs = []
         for index in range(params.n):
             seed = params.seed + index if params.seed is not None else secrets.randbits(62)
@@ -292,6 +298,7 @@ class LLMEngine(HandoffMixin):
                 or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0
                 or bool(params.logits_processors),
                 processors=logits_processors.instantiate(params.logits_processors),
+                grammar=None if grammar is None else GrammarState(grammar.deep_copy(), self.tokenizer.vocab_size),
             )
             self._next_seq_id += 1
             seqs.append(seq)

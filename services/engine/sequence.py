@@ -59,6 +59,8 @@ class Sequence:
     adjusts_logits: bool = False
     # Instances of the request's plugin logits processors, applied to this sequence's rows.
     processors: list = field(default_factory=list)
+    # Structured output: the grammar's matcher (kvrelay.engine.structured.mask.GrammarState).
+    grammar: object | None = None
 
     @property
     def num_tokens(self) -> int:
