@@ -33,6 +33,7 @@ from kvrelay.gateway.quota import (
 )
 from kvrelay.gateway.scheduler import FairScheduler, QueueFull, Ticket
 from kvrelay.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from kvrelay.gateway.structured.fields import checked, requested_spec
 from kvrelay.gateway.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class Gateway:
             seed=None if body.seed is None else body.seed % (2**63),
             stop=stop, ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
             logits_processors=logits_processors.normalise(body.logits_processors),
+            structured=checked(requested_spec(body), self.backend.tokenizer),
         )
         try:
             params.validate(self.backend.tokenizer.vocab_size)

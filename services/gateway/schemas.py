@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from kvrelay.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
+from kvrelay.gateway.structured.fields import StructuredFields
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_STOP = 16
@@ -39,7 +40,7 @@ StopField = Annotated[str | Annotated[list[str], Field(max_length=MAX_STOP)] | N
 TokenIds = Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=1)]
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StructuredFields):  # structured-output fields: gateway/structured/fields.py
     model: str
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.outputs import RequestOutput, TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.structured.spec import GuidedSpec
 from kvrelay.v1 import common_pb2
 
 _PLAIN = ("n", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -22,6 +23,9 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
             setattr(msg, k, getattr(p, k))
     if p.logit_bias:
         msg.logit_bias.update(p.logit_bias)
+    if p.structured is not None:
+        s = p.structured
+        msg.structured.CopyFrom(common_pb2.GuidedSpec(kind=s.kind, value=s.value, field=s.field))
     return msg
 
 
@@ -32,6 +36,9 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     for k in ("max_tokens", "seed", "logprobs"):
         setattr(p, k, getattr(msg, k) if msg.HasField(k) else None)
     p.logit_bias = dict(msg.logit_bias) or None
+    if msg.HasField("structured"):
+        s = msg.structured
+        p.structured = GuidedSpec(s.kind, s.value, s.field or "structured_outputs")
     return p
 
 

@@ -29,7 +29,7 @@ def _executor():
 class GrammarState:
     """One sequence's matcher and how many of its generated tokens the matcher has consumed."""
 
-    __slots__ = ("matcher", "vocab", "consumed", "failed")
+    __slots__ = ("consumed", "failed", "matcher", "vocab")
 
     def __init__(self, matcher, vocab: int):
         self.matcher = matcher
@@ -39,11 +39,10 @@ class GrammarState:
 
     def sync(self, output_ids: list[int]) -> None:
         new = output_ids[self.consumed :]
-        if new and not self.failed:
-            if self.matcher.try_consume_tokens(new) != len(new):
-                log.warning("structured output: a token outside the grammar was appended (%s); ending the "
-                            "sequence", self.matcher.get_error() or "not allowed")
-                self.failed = True
+        if new and not self.failed and self.matcher.try_consume_tokens(new) != len(new):
+            log.warning("structured output: a token outside the grammar was appended (%s); ending the "
+                        "sequence", self.matcher.get_error() or "not allowed")
+            self.failed = True
         self.consumed = len(output_ids)
 
 
