@@ -41,7 +41,7 @@ def cluster():
 
 
 def test_json_schema_through_the_workers_equals_serve(cluster, open_gateway):
-    gw, (prefill, decode) = cluster
+    gw, (prefill, _decode) = cluster
     remote = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
     local = openai.OpenAI(base_url=open_gateway.url + "/v1", api_key="x", max_retries=0)
     for seed in (1, 2, 3):
