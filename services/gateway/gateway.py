@@ -33,6 +33,7 @@ from kvrelay.gateway.quota import (
 )
 from kvrelay.gateway.scheduler import FairScheduler, QueueFull, Ticket
 from kvrelay.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from kvrelay.gateway.structured import tools as tool_calling
 from kvrelay.gateway.structured.fields import checked, requested_spec
 from kvrelay.gateway.tenants import Tenant, TenantRegistry
 
@@ -55,6 +56,7 @@ class GatewayConfig:
     tokenizer_queue: int = 1024  # preparations waiting for a thread; past it: 503
     allow_special_tokens: bool = False  # True: special-token text in prompts and messages acts as special
     frontdoor: FrontDoorLimits = field(default_factory=FrontDoorLimits)  # header and connection limits
+    tools: tool_calling.ToolSettings = field(default_factory=tool_calling.ToolSettings)  # tool-call parser
 
 
 @dataclass
@@ -77,6 +79,7 @@ class Prepared:
     ticket: Ticket | None = None
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
     cache_salt: str | None = None  # prefix-cache salt: the tenant's cache group and the request's cache_salt
+    tools: tool_calling.ToolPlan | None = None  # chat with tools: how the output becomes tool calls
 
 
 class Gateway:
@@ -290,11 +293,13 @@ class Gateway:
             _check_text(content, f"messages[{i}].content")
             messages.append({"role": m.role, "content": content} | ({"name": m.name} if m.name else {}))
         tok = self.backend.tokenizer
+        plan, messages, template_vars = tool_calling.plan(body, self.config.tools, tok, messages)
         try:
             if self.config.allow_special_tokens:
-                prompts = [tok.encode_prompt(tok.apply_chat_template(messages, add_generation_prompt=True))]
+                prompts = [tok.encode_prompt(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                                     **template_vars))]
             else:  # only the template's own markers are special, never text inside a message
-                prompts = [tok.encode_chat(messages, add_generation_prompt=True)]
+                prompts = [tok.encode_chat(messages, add_generation_prompt=True, **template_vars)]
         except InvalidRequestError as e:
             raise errors.bad_request(str(e), "messages") from e
         if body.top_logprobs is not None and not body.logprobs:
@@ -303,10 +308,15 @@ class Gateway:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, field_name, logprobs)
+        if plan is not None:
+            params.structured = checked(plan.constraint(body.tools, body.parallel_tool_calls is not False),
+                                        tok) or params.structured
+            if plan.choice == "auto" and self.config.tools.parser == "mistral":
+                params.skip_special_tokens = False  # its [TOOL_CALLS] marker is a special token
         reserve = self._fit_context(prompts, params, "messages")
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
                         body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                        body.logprobs, reserve, cache_salt=self.cache_salt(tenant, body.cache_salt))
+                        body.logprobs, reserve, cache_salt=self.cache_salt(tenant, body.cache_salt), tools=plan)
 
     # ------------------------------------------------------------------ admission
 

@@ -246,7 +246,15 @@ class GenerationResponse(Response):
         if first_of_choice:
             chunks.append(self._chunk_base() | {"choices": [{"index": index, "delta": {
                 "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]} | usage)
-        if out.text or delta_lp or out.finish_reason:
+        if p.tools is not None:  # text that may be tool calls: gateway/structured/tools.py
+            deltas, reason = p.tools.stream(index, out.text, out.finish_reason)
+            if reason:
+                self.choices[index].finish_reason = reason
+            for k, delta in enumerate(deltas or ([{}] if delta_lp or reason else [])):
+                last = k == max(len(deltas), 1) - 1
+                chunks.append(self._chunk_base() | {"choices": [{"index": index, "delta": delta, "logprobs": (
+                    delta_lp if k == 0 else None), "finish_reason": reason if last else None}]} | usage)
+        elif out.text or delta_lp or out.finish_reason:
             delta = {"content": out.text} if out.text else {}
             chunks.append(self._chunk_base() | {"choices": [{"index": index, "delta": delta, "logprobs": delta_lp,
                                                              "finish_reason": out.finish_reason}]} | usage)
@@ -277,9 +285,11 @@ class GenerationResponse(Response):
                           "text_offset": offsets}
                 choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
             else:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                message, reason = ({"role": "assistant", "content": text}, c.finish_reason) if p.tools is None \
+                    else p.tools.final(text, c.finish_reason)
+                choices.append({"index": index, "message": message,
                                 "logprobs": {"content": c.chat_logprobs} if p.logprobs else None,
-                                "finish_reason": c.finish_reason})
+                                "finish_reason": reason})
         obj = "text_completion" if p.kind == "completion" else "chat.completion"
         return {"id": p.request_id, "object": obj, "created": p.created, "model": p.model,
                 "choices": choices, "usage": self._usage()}

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from kvrelay.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 from kvrelay.gateway.structured.fields import StructuredFields
+from kvrelay.gateway.structured.tools import ToolCall, ToolFields
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_STOP = 16
@@ -84,9 +85,11 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools (gateway/structured/tools.py)
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # tool turns: the call answered
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[Int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
@@ -147,7 +150,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the answer is only tool calls
+    tool_calls: list[dict] | None = None
 
 
 class ChatChoice(BaseModel):

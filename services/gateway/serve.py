@@ -19,6 +19,8 @@ from kvrelay.gateway.app import Gateway, GatewayConfig, create_app
 from kvrelay.gateway.backend import LocalBackend
 from kvrelay.gateway.frontdoor import FrontDoorLimits, uvicorn_options
 from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStore
+from kvrelay.gateway.structured.tool_parsers import PARSERS
+from kvrelay.gateway.structured.tools import ToolSettings
 from kvrelay.gateway.tenants import TenantConfigError, TenantRegistry
 from kvrelay.kvtransfer.worker_base import PARENT_PID_ENV
 
@@ -72,6 +74,11 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                              "API port's /metrics sums over tenants and needs a key when --tenants is set")
     parser.add_argument("--no-tenant-metrics", action="store_true",
                         help="no per-tenant series at all (every tenant is counted as `all`)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                        help="how tool calls are read from the model's text (and written for templates without "
+                             "tool support): hermes (also Qwen), llama3_json, mistral")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='allow tool_choice "auto" (the model decides; needs --tool-call-parser)')
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -83,6 +90,8 @@ def build_quota(args: argparse.Namespace) -> QuotaManager:
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("kvrelay: --enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral)")
     return GatewayConfig(max_queue=args.max_queue, capacity=args.capacity, max_body_bytes=args.max_body_bytes,
                          lease_ttl_s=args.lease_ttl, quota_fail_open=args.quota_failure_policy == "open",
                          quota_wait_s=args.quota_wait, max_prompt_bytes=args.max_prompt_bytes,
@@ -90,6 +99,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          allow_special_tokens=args.allow_special_tokens_in_prompt,
                          tenant_metrics=not args.no_tenant_metrics,
                          default_reserve_tokens=args.default_reserve_tokens,
+                         tools=ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice),
                          frontdoor=FrontDoorLimits(args.max_header_bytes, args.max_headers, args.header_timeout,
                                                    args.max_connections_per_client))
 
