@@ -25,6 +25,7 @@ from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
 from kvrelay.engine.model import DecoderModel
 from kvrelay.engine.model_config import load_model_config, parse_dtype
 from kvrelay.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
 from kvrelay.engine.runner.cuda_graphs import bucket_sizes
 from kvrelay.engine.runner.memory import plan_kv_cache
 from kvrelay.engine.runner.model_runner import ModelRunner
@@ -269,6 +270,8 @@ class LLMEngine(HandoffMixin):
         if params.logit_bias:  # built once here, not on every sampling step
             bias = (torch.tensor(list(params.logit_bias), dtype=torch.int64, device=self.device),
                     torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device))
+        if params.prompt_logprobs is not None:  # every position must be computed: no prefix-cache hits
+            cache_salt = f"{cache_salt or ''}\x00prompt-logprobs:{secrets.token_hex(8)}"
         root = cache_root(cache_salt)
         # A cache hit when the caller compiled off this thread first (AsyncEngine does).
         grammar = self.grammars.get(params.structured) if params.structured is not None else None
@@ -299,6 +302,7 @@ class LLMEngine(HandoffMixin):
                 or bool(params.logits_processors),
                 processors=logits_processors.instantiate(params.logits_processors),
                 grammar=None if grammar is None else GrammarState(grammar.deep_copy(), self.tokenizer.vocab_size),
+                prompt_lps=[None] * (len(ids) - 1) if params.prompt_logprobs is not None and index == 0 else None,
             )
             self._next_seq_id += 1
             seqs.append(seq)
@@ -391,7 +395,11 @@ class LLMEngine(HandoffMixin):
         return outputs
 
     def _run(self, step, proposals: dict) -> list[RequestOutput]:
-        logits, sample_idx, rows = self.runner.execute(step.seqs, step.num_new, frozenset(proposals))
+        scoring = frozenset(i for i, s in enumerate(step.seqs) if s.prompt_lps is not None
+                            and s.num_computed < s.prompt_len - 1)
+        logits, sample_idx, rows = self.runner.execute(step.seqs, step.num_new, frozenset(proposals), scoring)
+        if scoring:
+            record_prompt_logprobs(step.seqs, self.runner.prompt_logits)
         if proposals:
             self.speculator.withdraw(step, proposals)
         # On CUDA the forward is still running: turn the last step's tokens into text meanwhile.
@@ -506,6 +514,9 @@ class LLMEngine(HandoffMixin):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
 
     def _output(self, seq: Sequence, new_ids: list[int], text: str, logprobs=None) -> RequestOutput:
+        prompt_lps = None
+        if seq.prompt_lps is not None and (new_ids or seq.finished):
+            prompt_lps, seq.prompt_lps = [None, *seq.prompt_lps], None
         return RequestOutput(
             request_id=seq.request_id,
             index=seq.index,
@@ -518,4 +529,5 @@ class LLMEngine(HandoffMixin):
             num_generated_tokens=seq.num_generated,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=seq.metrics,
+            prompt_logprobs=prompt_lps,
         )

@@ -30,6 +30,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob plus top-k alternatives
+    prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob plus top-k (vLLM)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     # Plugin logits processors by name, with their arguments (kvrelay.engine.logits_processors).
@@ -94,6 +95,11 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if self.logit_bias is not None:
             self._validate_logit_bias(vocab_size, bad)
         if self.structured is not None and (not isinstance(self.structured, GuidedSpec)
