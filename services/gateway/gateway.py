@@ -80,6 +80,8 @@ class Prepared:
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
     cache_salt: str | None = None  # prefix-cache salt: the tenant's cache group and the request's cache_salt
     tools: tool_calling.ToolPlan | None = None  # chat with tools: how the output becomes tool calls
+    score_only: bool = False  # completions with max_tokens 0 and echo: the prompt, nothing generated
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs: each choice carries them
 
 
 class Gateway:
@@ -153,6 +155,7 @@ class Gateway:
             stop=stop, ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
             logits_processors=logits_processors.normalise(body.logits_processors),
             structured=checked(requested_spec(body), self.backend.tokenizer),
+            prompt_logprobs=body.prompt_logprobs,
         )
         try:
             params.validate(self.backend.tokenizer.vocab_size)
@@ -266,15 +269,20 @@ class Gateway:
         vocab = self.backend.tokenizer.vocab_size
         if any(t >= vocab for p in prompts for t in p):
             raise errors.bad_request(f"prompt: token ids must be < the vocabulary size {vocab}", "prompt")
+        if body.max_tokens == 0 and not body.echo:
+            raise errors.bad_request("max_tokens: 0 is only for scoring the prompt, with `echo: true`", "max_tokens")
+        # max_tokens 0: one token is computed (the engine always samples one) and not reported.
+        params = self._params(body, body.max_tokens or (None if body.max_tokens is None else 1), "max_tokens",
+                              body.logprobs)
         if body.echo and body.logprobs is not None:
-            raise errors.bad_request("echo: not supported together with logprobs (prompt logprobs are not "
-                                     "computed)", "echo")
-        params = self._params(body, body.max_tokens, "max_tokens", body.logprobs)
+            params.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         reserve = self._fit_context(prompts, params, "prompt")
         p = Prepared("completion", f"cmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
                      body.stream, bool(body.stream_options and body.stream_options.include_usage),
                      body.logprobs is not None, reserve)
         p.cache_salt = self.cache_salt(tenant, body.cache_salt)
+        p.score_only = body.max_tokens == 0
+        p.prompt_logprobs = body.prompt_logprobs is not None
         if body.echo:
             if isinstance(raw, str):
                 p.echo = [raw]
@@ -316,7 +324,8 @@ class Gateway:
         reserve = self._fit_context(prompts, params, "messages")
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
                         body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                        body.logprobs, reserve, cache_salt=self.cache_salt(tenant, body.cache_salt), tools=plan)
+                        body.logprobs, reserve, cache_salt=self.cache_salt(tenant, body.cache_salt), tools=plan,
+                        prompt_logprobs=body.prompt_logprobs is not None)
 
     # ------------------------------------------------------------------ admission
 

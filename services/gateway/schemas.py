@@ -66,14 +66,16 @@ class _SamplingFields(StructuredFields):  # structured-output fields: gateway/st
     logits_processors: list[str] | dict[str, dict] | None = None
     # Requests share cached prompt prefixes only with requests of the same salt (vLLM's field).
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # vLLM's: each prompt token's logprob plus its top-k alternatives, per choice.
+    prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)] | Annotated[
         list[TokenIds], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
-    max_tokens: Annotated[Int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[Int, Field(ge=0)] | None = 16  # 0: with echo, only score the prompt
     logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False  # put the prompt before the completion (not with logprobs)
+    echo: bool = False  # put the prompt before the completion (with logprobs: the prompt's logprobs too)
 
 
 class TextPart(_Strict):

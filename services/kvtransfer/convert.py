@@ -16,6 +16,9 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     if p.logits_processors:  # the wire has no field for them yet: refuse rather than drop them
         raise InvalidRequestError("logits_processors: not supported across a prefill/decode hand-off yet",
                                   field="logits_processors")
+    if p.prompt_logprobs is not None:  # the prefill worker computes the prompt: it would have to send them
+        raise InvalidRequestError("prompt_logprobs: not supported across a prefill/decode hand-off yet (echo with "
+                                  "logprobs needs them)", field="prompt_logprobs")
     msg = common_pb2.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
                                     **{k: getattr(p, k) for k in _PLAIN})
     for k in ("max_tokens", "seed", "logprobs"):
