@@ -38,6 +38,7 @@ from kvrelay.gateway.structured.fields import checked, requested_spec
 from kvrelay.gateway.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger(__name__)
+PRIORITY_BAND = 10_000  # > 2 x MAX_REQUEST_PRIORITY
 
 
 @dataclass
@@ -82,6 +83,12 @@ class Prepared:
     tools: tool_calling.ToolPlan | None = None  # chat with tools: how the output becomes tool calls
     score_only: bool = False  # completions with max_tokens 0 and echo: the prompt, nothing generated
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs: each choice carries them
+    priority: int = 0  # the request's own priority, bounded by its tenant's max_request_priority
+
+    @property
+    def engine_priority(self) -> int:
+        """The tenant's band dominates (no request lifts itself over another band), then the request's."""
+        return self.tenant.priority * PRIORITY_BAND + self.priority
 
 
 class Gateway:
@@ -282,6 +289,7 @@ class Gateway:
                      body.logprobs is not None, reserve)
         p.cache_salt = self.cache_salt(tenant, body.cache_salt)
         p.score_only = body.max_tokens == 0
+        p.priority = _request_priority(body, tenant)
         p.prompt_logprobs = body.prompt_logprobs is not None
         if body.echo:
             if isinstance(raw, str):
@@ -325,7 +333,7 @@ class Gateway:
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
                         body.stream, bool(body.stream_options and body.stream_options.include_usage),
                         body.logprobs, reserve, cache_salt=self.cache_salt(tenant, body.cache_salt), tools=plan,
-                        prompt_logprobs=body.prompt_logprobs is not None)
+                        prompt_logprobs=body.prompt_logprobs is not None, priority=_request_priority(body, tenant))
 
     # ------------------------------------------------------------------ admission
 
@@ -354,7 +362,7 @@ class Gateway:
             raise errors.unavailable("The quota store is unavailable; retry shortly", "quota_store_unavailable") from e
         try:
             p.ticket = self.scheduler.submit(p.tenant.id, p.tenant.priority, p.reserve,
-                                             slots=p.params.n * len(p.prompts))
+                                             slots=p.params.n * len(p.prompts), rank=p.priority)
         except QueueFull as e:
             await self.quota.complete(p.admission, 0)
             raise errors.unavailable(f"The gateway is saturated: {e}", "queue_full") from e
@@ -364,7 +372,7 @@ class Gateway:
     def stream_outputs(self, p: Prepared):
         """(prompt index, RequestOutput) for every prompt of the request, interleaved."""
         if len(p.prompts) == 1:
-            return _single(self.backend, p.prompts[0], p.params, p.request_id, p.tenant.priority, p.cache_salt)
+            return _single(self.backend, p.prompts[0], p.params, p.request_id, p.engine_priority, p.cache_salt)
         return _merged(self.backend, p)
 
 
@@ -381,7 +389,7 @@ async def _merged(backend, p: Prepared):
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, prompt: list[int]) -> None:
-        gen = backend.generate(prompt, p.params, f"{p.request_id}-{i}", p.tenant.priority, p.cache_salt)
+        gen = backend.generate(prompt, p.params, f"{p.request_id}-{i}", p.engine_priority, p.cache_salt)
         try:
             async for out in gen:
                 await queue.put((i, out))
@@ -406,6 +414,12 @@ async def _merged(backend, p: Prepared):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _request_priority(body, tenant: Tenant) -> int:
+    """The request's priority, capped at what its tenant may ask for (so it cannot jump its own band)."""
+    cap = tenant.max_request_priority
+    return body.priority if cap is None else min(body.priority, cap)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -16,6 +16,7 @@ from kvrelay.gateway.structured.tools import ToolCall, ToolFields
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_STOP = 16
+MAX_REQUEST_PRIORITY = 1000  # |priority| of a request; the engine sees tenant band * 10^4 + it
 MAX_BATCH_PROMPTS = 16
 
 
@@ -66,6 +67,8 @@ class _SamplingFields(StructuredFields):  # structured-output fields: gateway/st
     logits_processors: list[str] | dict[str, dict] | None = None
     # Requests share cached prompt prefixes only with requests of the same salt (vLLM's field).
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # Higher first among the tenant's own requests, up to its max_request_priority (vLLM's field).
+    priority: Annotated[Int, Field(ge=-MAX_REQUEST_PRIORITY, le=MAX_REQUEST_PRIORITY)] = 0
     # vLLM's: each prompt token's logprob plus its top-k alternatives, per choice.
     prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 

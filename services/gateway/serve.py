@@ -15,6 +15,8 @@ import threading
 
 import yaml
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
+from kvrelay.gateway.api_key import ENV as API_KEY_ENV
+from kvrelay.gateway.api_key import ApiKeyRegistry
 from kvrelay.gateway.app import Gateway, GatewayConfig, create_app
 from kvrelay.gateway.backend import LocalBackend
 from kvrelay.gateway.frontdoor import FrontDoorLimits, uvicorn_options
@@ -34,6 +36,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--tenants", default=None, metavar="FILE",
                         help="tenants YAML (keys, quotas, priority, models); default: one open tenant")
+    parser.add_argument("--api-key", default=None,
+                        help=f"one API key for every request, without a tenants file (or ${API_KEY_ENV}, which "
+                             "keeps it out of the process list); compared in constant time, never logged")
     parser.add_argument("--redis-url", default=None, help="Redis for quotas shared by all gateway replicas")
     parser.add_argument("--quota-failure-policy", choices=["closed", "open"], default="closed",
                         help="when Redis is unreachable: closed = 503, open = enforce quotas per replica and "
@@ -161,6 +166,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def load_tenants(args: argparse.Namespace) -> TenantRegistry:
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    if key:
+        if args.tenants:
+            raise SystemExit("kvrelay: --api-key and --tenants exclude each other: give the key a tenant in the file "
+                             "(`kvrelay tenants add`)")
+        try:
+            return ApiKeyRegistry(key)
+        except ValueError as e:
+            raise SystemExit(f"kvrelay: {e}") from None
     try:
         return TenantRegistry(args.tenants)
     except (OSError, TenantConfigError, yaml.YAMLError) as e:
