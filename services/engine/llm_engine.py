@@ -293,9 +293,10 @@ class LLMEngine(HandoffMixin):
                 wait_for=seqs[0] if seqs else None,
                 hold_blocks=hold_blocks,
                 cache_root=root,
-                # ignore_eos drops EOS only; explicit stop_token_ids still apply.
+                # ignore_eos drops EOS only; explicit stop_token_ids still apply. A grammar's end is
+                # EOS (the only token its mask then allows): constrained output always stops there.
                 stop_ids=frozenset(params.stop_token_ids)
-                | (frozenset() if params.ignore_eos else self.eos_ids),
+                | (frozenset() if params.ignore_eos and grammar is None else self.eos_ids),
                 logit_bias=bias,
                 adjusts_logits=params.repetition_penalty != 1.0 or bool(params.presence_penalty)
                 or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -54,15 +55,18 @@ def apply(logits: torch.Tensor, rows: list[int], seqs: list, stop_ids: list[froz
     all -inf row.
     """
     vocab = logits.shape[1]
-    bitmask = torch.full((len(rows), (seqs[0].grammar.vocab + 31) // 32), -1, dtype=torch.int32)
-    live = []
+    grammar_vocab = seqs[0].grammar.vocab
+    bitmask = torch.full((len(rows), (grammar_vocab + 31) // 32), -1, dtype=torch.int32)
+    live, suspect = [], False
     for k, seq in enumerate(seqs):
         state = seq.grammar
         state.sync(seq.output_ids)
         if state.failed:
             bitmask[k].zero_()
+            suspect = True
         else:
             live.append((state.matcher, k))
+        suspect = suspect or seq.adjusts_logits  # a ban or bias may leave only -inf among the allowed
     # llguidance fills the rows in parallel on its own threads (with the GIL released); called
     # directly, as llguidance.torch does: importing that module compiles its applier (seconds).
     if len(live) == 1:
@@ -71,18 +75,27 @@ def apply(logits: torch.Tensor, rows: list[int], seqs: list, stop_ids: list[froz
         matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
     elif live:
         _executor().unsafe_compute_mask_ptr(live, bitmask.data_ptr(), bitmask.shape[1] * 4, len(rows))
-    # Unpack 32 bits per word (llguidance.torch's applier is torch.compile'd: a compiler toolchain
-    # and a slow first call on CPU); tokens past the grammar's vocabulary stay masked as bits of 0.
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().view(len(rows), -1)[:, : min(vocab, seqs[0].grammar.vocab)]
-    if allowed.shape[1] < vocab:  # the model's padded vocabulary: rows past the tokenizer's are never text
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    sub = logits.index_select(0, index).masked_fill_(~allowed.to(logits.device), float("-inf"))
-    dead = (sub.max(dim=-1).values == float("-inf")).nonzero().flatten().tolist()
-    for k in dead:
-        ids = sorted(stop_ids[k])
-        if ids:
-            sub[k, ids] = 0.0
-        else:  # nothing can end it either: leave the row unconstrained rather than sample from nothing
-            sub[k] = logits[rows[k]]
-    logits.index_copy_(0, index, sub)
+    # One C pass unpacks the bits (token t is bit t % 32 of word t // 32, little-endian); ~10x
+    # faster on CPU than shifting int32 words in torch, and no torch.compile (llguidance.torch's
+    # applier) with its compiler toolchain and slow first call.
+    width = min(vocab, grammar_vocab)
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little").reshape(len(rows), -1)[:, :width]
+    leading = rows == list(range(len(rows)))
+    target = logits[: len(rows)] if leading else logits.index_select(
+        0, torch.tensor(rows, dtype=torch.int64, device=logits.device))
+    if target.is_cpu:  # numpy's single-threaded fill: torch's masked_fill_ is ~2x slower here on 2 cores
+        np.copyto(target.numpy()[:, :width], -np.inf, where=bits == 0)
+    else:
+        target[:, :width].masked_fill_(torch.from_numpy(bits == 0).to(target.device), float("-inf"))
+    if vocab > width:  # the model's padded vocabulary: ids past the tokenizer's are never text
+        target[:, width:] = float("-inf")
+    if suspect or not bool(bitmask.any(dim=1).all()):
+        dead = (target.max(dim=-1).values == float("-inf")).nonzero().flatten().tolist()
+        for k in dead:
+            ids = sorted(stop_ids[k])
+            if ids:
+                target[k, ids] = 0.0
+            else:  # nothing can end it either: leave the row unconstrained rather than sample from nothing
+                target[k] = logits[rows[k]]
+    if not leading:
+        logits.index_copy_(0, torch.tensor(rows, dtype=torch.int64, device=logits.device), target)
