@@ -14,17 +14,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_BITS = torch.arange(32, dtype=torch.int32)
-_EXECUTOR = None
-
-
-def _executor():
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        import llguidance
-
-        _EXECUTOR = llguidance.LLExecutor()
-    return _EXECUTOR
 
 
 class GrammarState:
@@ -67,14 +56,13 @@ def apply(logits: torch.Tensor, rows: list[int], seqs: list, stop_ids: list[froz
         else:
             live.append((state.matcher, k))
         suspect = suspect or seq.adjusts_logits  # a ban or bias may leave only -inf among the allowed
-    # llguidance fills the rows in parallel on its own threads (with the GIL released); called
-    # directly, as llguidance.torch does: importing that module compiles its applier (seconds).
-    if len(live) == 1:
-        matcher, k = live[0]
-        row = bitmask[k]
-        matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-    elif live:
-        _executor().unsafe_compute_mask_ptr(live, bitmask.data_ptr(), bitmask.shape[1] * 4, len(rows))
+    # One row at a time on this thread: a row costs microseconds, and llguidance's parallel
+    # executor keeps worker threads spinning after each batch, which took the CPU from the forward
+    # pass on a small machine (stories260K at batch 32: 10x slower steps). Called directly, as
+    # llguidance.torch does: importing that module compiles its applier (seconds).
+    row_bytes = bitmask.shape[1] * 4
+    for matcher, k in live:
+        matcher.unsafe_compute_mask_ptr(bitmask[k].data_ptr(), row_bytes)
     # One C pass unpacks the bits (token t is bit t % 32 of word t // 32, little-endian); ~10x
     # faster on CPU than shifting int32 words in torch, and no torch.compile (llguidance.torch's
     # applier) with its compiler toolchain and slow first call.
