@@ -188,3 +188,23 @@ def test_hermes_keeps_text_before_the_calls():
     content, calls = get_parser("hermes").parse('Let me check.\n<tool_call>\n{"name": "f", "arguments": {}}\n'
                                                 "</tool_call>")
     assert content == "Let me check." and calls[0].name == "f" and calls[0].arguments == "{}"
+
+
+def test_auto_stream_holds_back_a_call_and_sends_openai_deltas():
+    plan = tool_calling.ToolPlan("auto", tool_calling.ToolSettings("hermes", True))
+    text = 'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    sent = []
+    for k in range(0, len(text), 7):
+        deltas, reason = plan.stream(0, text[k : k + 7], None)
+        sent += deltas
+        assert reason is None
+    assert [d for d in sent if "tool_calls" in d] == []  # nothing of the call leaks as it streams
+    deltas, reason = plan.stream(0, "", "stop")
+    assert reason == "tool_calls"
+    content = "".join(d.get("content", "") for d in sent + deltas)
+    assert content.strip() == "Sure."
+    opening, args = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert opening["function"] == {"name": "get_time", "arguments": ""} and opening["id"].startswith("call_")
+    assert args == {"index": 0, "function": {"arguments": '{"zone": "UTC"}'}}
+    plain = tool_calling.ToolPlan("auto", tool_calling.ToolSettings("hermes", True))
+    assert plain.stream(0, "Once upon", None) == ([{"content": "Once upon"}], None)  # cannot be a call

@@ -112,8 +112,9 @@ def _calls_schema(tools: list[ToolDef], parallel: bool) -> dict:
 @dataclass
 class _ChoiceState:
     text: str = ""
-    mode: str = "undecided"  # auto: "content" once the text cannot be a call; named: "args" once started
-    calls_sent: int = 0
+    mode: str = "text"  # auto: "call" once the parser's marker appeared; named: "args" once opened
+    pending: str = ""  # auto: text held back because it may begin the marker
+    call_text: str = ""  # auto: from the marker on, held until the choice ends
 
 
 @dataclass
@@ -174,7 +175,7 @@ class ToolPlan:
         s.text += piece
         if self.choice == "none":
             return ([{"content": piece}] if piece else []), finish_reason
-        if self.choice == "named" and (finish_reason in ("stop", None)):
+        if self.choice == "named":  # cut by length, its streamed arguments stay unfinished (finish "length")
             deltas = []
             if s.mode != "args":  # the call opens at once; its arguments stream as they are generated
                 s.mode = "args"
@@ -182,25 +183,51 @@ class ToolPlan:
                 deltas.append({"tool_calls": [{"index": 0, **call}]})
             if piece:
                 deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
-            return deltas, ("stop" if finish_reason else None)
-        if self.choice == "auto" and s.mode == "undecided":
-            marker, head = get_parser(self.settings.parser).marker, s.text.lstrip()
-            if head and not (head.startswith(marker) or marker.startswith(head) or marker in s.text):
-                s.mode = "content"
-                return [{"content": s.text}], finish_reason
-        elif s.mode == "content":
-            return ([{"content": piece}] if piece else []), finish_reason
+            return deltas, finish_reason
+        if self.choice == "auto":
+            return self._stream_auto(s, piece, finish_reason)
         if finish_reason is None:
-            return [], None  # may be a call: held back until the choice ends
-        if s.mode == "args":  # a named call cut by length: its arguments were already streamed
-            return [], finish_reason
+            return [], None  # required: the list of calls is sent when the choice ends
         message, reason = self.final(s.text, finish_reason)
         deltas = [{"content": message["content"]}] if message.get("content") else []
-        for i, call in enumerate(message.get("tool_calls", [])):
-            deltas.append({"tool_calls": [{"index": i, **call, "function": {"name": call["function"]["name"],
-                                                                              "arguments": ""}}]})
-            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
-        return deltas, reason
+        return deltas + _call_deltas(message.get("tool_calls", [])), reason
+
+    def _stream_auto(self, s: _ChoiceState, piece: str, finish_reason: str | None) -> tuple[list[dict], str | None]:
+        """Text streams as content except from the parser's marker on (and a tail that may begin
+        it): that is held until the choice ends, then sent as calls if it parses, else as text."""
+        parser = get_parser(self.settings.parser)
+        deltas = []
+        if s.mode == "call":
+            s.call_text += piece
+        else:
+            s.pending += piece
+            cut = s.pending.find(parser.marker)
+            if cut >= 0:
+                out, s.call_text, s.pending, s.mode = s.pending[:cut], s.pending[cut:], "", "call"
+            else:
+                keep = next((n for n in range(min(len(parser.marker) - 1, len(s.pending)), 0, -1)
+                             if parser.marker.startswith(s.pending[-n:])), 0)
+                out, s.pending = s.pending[: len(s.pending) - keep], s.pending[len(s.pending) - keep :]
+            if out:
+                deltas.append({"content": out})
+        if finish_reason is None:
+            return deltas, None
+        if s.mode == "call" and finish_reason == "stop":
+            _, calls = parser.parse(s.call_text)
+            if calls:
+                return deltas + _call_deltas([self._call_json(c) for c in calls]), "tool_calls"
+        rest = s.pending + s.call_text
+        return deltas + ([{"content": rest}] if rest else []), finish_reason
+
+
+def _call_deltas(calls: list[dict]) -> list[dict]:
+    """OpenAI's streamed shape of finished calls: per call its id and name, then its arguments."""
+    deltas = []
+    for i, call in enumerate(calls):
+        deltas.append({"tool_calls": [{"index": i, **call, "function": {"name": call["function"]["name"],
+                                                                          "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
+    return deltas
 
 
 def plan(body, settings: ToolSettings, tokenizer, messages: list[dict]) -> tuple[ToolPlan | None, list[dict],
