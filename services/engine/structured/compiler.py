@@ -70,8 +70,9 @@ def grammar_text(spec: GuidedSpec) -> str:
         if spec.kind == "json":
             return llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS)
         return llguidance.grammar_from(_FORMATS[spec.kind], spec.value)
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise _bad(spec, f"rejected by the grammar compiler: {e}") from e
+    except BaseException as e:  # a Rust panic arrives as a BaseException (pyo3)
+        _reraise_fatal(e)
+        raise _bad(spec, f"rejected by the grammar compiler: {_first_line(str(e))}") from e
 
 
 class GrammarCompiler:
@@ -98,7 +99,8 @@ class GrammarCompiler:
         grammar = grammar_text(spec)
         try:
             matcher = llguidance.LLMatcher(ll_tokenizer(self.tokenizer, self.eos_ids), grammar, log_level=0)
-        except (ValueError, TypeError, RuntimeError) as e:
+        except BaseException as e:  # a Rust panic arrives as a BaseException (pyo3)
+            _reraise_fatal(e)
             raise _bad(spec, f"rejected by the grammar compiler: {_first_line(str(e))}") from e
         if matcher.is_error():
             raise _bad(spec, f"rejected by the grammar compiler: {_first_line(matcher.get_error())}")
@@ -112,6 +114,11 @@ class GrammarCompiler:
     def matcher(self, spec: GuidedSpec):
         """A fresh matcher for one sequence."""
         return self.get(spec).deep_copy()
+
+
+def _reraise_fatal(e: BaseException) -> None:
+    if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError)) or type(e).__name__ == "CancelledError":
+        raise e
 
 
 def _first_line(text: str) -> str:
