@@ -49,7 +49,8 @@ class ModelRunner:
         prompt_rows: indices of seqs that want prompt logprobs: their chunks' logits are left in
         self.prompt_logits as (index in seqs, first position, fp32 logits [rows, vocab])."""
         size = None if all_logits or prompt_rows else self._graph_size(num_new)
-        built = self.inputs.build(seqs, num_new, pad_decode_to=size, all_logits=all_logits, prompt_rows=prompt_rows)
+        extra = {"prompt_rows": prompt_rows} if prompt_rows else {}  # the common call keeps build's old signature
+        built = self.inputs.build(seqs, num_new, pad_decode_to=size, all_logits=all_logits, **extra)
         self.prompt_logits = []
         if built.prompt_spans:
             logits = self.model.forward(built.batch, self.kv_cache)
