@@ -122,6 +122,8 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
                                               registry=app.state.gateway.metrics.registry)
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it already handled: a clean stop
+        pass
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()

@@ -7,7 +7,9 @@ import os
 import pickle
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -19,9 +21,16 @@ PROMPT = "Once upon a time"
 
 
 def engine_children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "kvrelay.engine.core.process"], capture_output=True,
-                         text=True)
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "kvrelay.engine.core.process"], check=False,
+                         capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def metric(url: str, series: str) -> float:
@@ -103,8 +112,24 @@ def test_serve_exits_non_zero_when_the_engine_process_dies(tmp_path):
 def test_a_model_that_cannot_load_is_one_line_and_serve_exits(tmp_path):
     bad = tmp_path / "not-a-model"
     bad.mkdir()
-    out = subprocess.run(["kvrelay", "serve", "--model", str(bad), "--port", "0"], capture_output=True, text=True,
-                         timeout=120, env=os.environ | {"PATH": os.path.dirname(os.sys.executable) + ":" +
-                                                        os.environ["PATH"]})
+    out = subprocess.run([sys.executable, "-m", "kvrelay.cli", "serve", "--model", str(bad), "--port", "0"],
+                         check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "the engine could not start" in out.stderr
+
+
+def test_ctrl_c_to_the_process_group_stops_serve_and_its_engine_cleanly(tmp_path):
+    gw = GatewayProcess([], tmp_path / "serve.log")
+    try:
+        (child,) = engine_children(gw.proc.pid)
+        for pid in (child, gw.proc.pid):  # what a terminal's Ctrl+C does: SIGINT to the whole group
+            os.kill(pid, signal.SIGINT)
+        assert gw.proc.wait(20) == 0
+        deadline = time.monotonic() + 10
+        while alive(child):
+            assert time.monotonic() < deadline, "the engine process outlived serve"
+            time.sleep(0.05)
+        log = (tmp_path / "serve.log").read_text()
+        assert "Traceback" not in log and "exited with code" not in log
+    finally:
+        gw.stop()

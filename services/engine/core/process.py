@@ -5,7 +5,7 @@ process parses requests, renders templates and streams tokens while this one onl
     python -m kvrelay.engine.core.process DIR
 DIR (made by the parent, mode 0700) holds args.pkl, the EngineArgs; this process binds DIR/in and
 DIR/out, prints READY_LINE on stdout once the model is loaded, and exits with the parent
-(PR_SET_PDEATHSIG), on ("shutdown",), on SIGTERM/SIGINT, or with code 1 when the step loop dies.
+(PR_SET_PDEATHSIG), on ("shutdown",), on SIGTERM (not SIGINT: the parent handles Ctrl+C), or with code 1 when the step loop dies.
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ class EngineCoreServer:
         self.outbox.send(encode(("ready", info)))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
         receiver = asyncio.create_task(self._receive(stop))
         stats = asyncio.create_task(self._send_stats())
         died = asyncio.create_task(self.engine.wait_dead())
@@ -124,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     level = os.environ.get("KVRELAY_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _stop_with_parent()
+    # Ctrl+C reaches the whole process group: the API process stops first and then stops this one,
+    # so a request in flight still gets its error event, and serve's exit code is its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = AsyncEngine(args)
     except (OSError, ValueError, EngineError) as e:
