@@ -1,0 +1,187 @@
+"""The Mooncake data plane (kvrelay.kvtransfer.mooncake) with real gRPC workers and the real
+transfer engine over its TCP protocol on loopback: the same tokens as a single process, the
+inline fallback when the plane cannot open on either side, corrupt bytes caught, aborts and a
+killed prefill worker leaving both pools and the region arena free."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.engine_args import EngineArgs
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer.client import DecodeClient
+from kvrelay.kvtransfer.mooncake import PlaneUnavailable
+from kvrelay.kvtransfer.shm import DATA_START
+from kvrelay.kvtransfer.worker_base import WorkerOptions
+from pd_helpers import (
+    assert_all_free,
+    assert_worker_free,
+    free_port,
+    metric_value,
+    reference_tokens,
+    scrape,
+    start_pair,
+    stop_pair,
+    wait_until,
+)
+from test_pd_failures import PROMPT, SLOW_PREFILL, _handoff_started, _tokens
+
+pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine-non-cuda and libibverbs1 (scripts/ci.d)")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=12, ignore_eos=True, logprobs=2)
+REGION_BYTES = 4 << 20
+
+
+async def _mooncake_pair(tmp_path, streaming: bool = False, delay_s: float = 0.0):
+    popts = WorkerOptions(max_message_bytes=16 * 1024, stream_min_tokens=0 if streaming else 10**9,
+                          layer_group_size=1, debug_chunk_delay_s=delay_s)
+    dopts = WorkerOptions(max_message_bytes=16 * 1024, kv_transport="mooncake", kv_remote_bytes=REGION_BYTES,
+                          kv_shm_dir=str(tmp_path))
+    return await start_pair(prefill_options=popts, decode_options=dopts)
+
+
+def _handoffs(pair) -> float:
+    return pair.prefill.metrics.plane_handoffs.labels("mooncake")._value.get()
+
+
+def _fallbacks(worker, reason: str) -> float:
+    return worker.metrics.plane_fallbacks.labels("mooncake", reason)._value.get()
+
+
+def _arena_free(pair) -> bool:
+    arena = pair.decode.transport.arena
+    return arena.free_bytes == arena.capacity
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["layer_streamed", "after_prefill"])
+async def test_mooncake_handoff_equals_single_process(tmp_path, streaming):
+    pair = await _mooncake_pair(tmp_path, streaming=streaming)
+    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
+    await ref.start()
+    try:
+        assert pair.decode.transport.remote is not None  # the plane opened
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 300)]
+        prompts.append(prompts[-1][:200] + [9, 9, 9])  # a prefix-cache hit on the prefill side
+        runs = 0
+        for prompt in prompts:
+            for params in (GREEDY, SEEDED):
+                got = [o async for o in pair.client.generate(prompt, params, prefill_addr=pair.prefill_addr)]
+                want = [o async for o in ref.generate(prompt, params)]
+                assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
+                assert [(lp.token_id, lp.logprob, lp.top) for o in got for lp in o.logprobs or []] == \
+                       [(lp.token_id, lp.logprob, lp.top) for o in want for lp in o.logprobs or []]
+                runs += 1
+        # Every hand-off that had blocks to send went over the plane: no inline fallback.
+        assert _handoffs(pair) >= runs - 2 and _fallbacks(pair.prefill, "unavailable") == 0
+        assert pair.decode.metrics.kv_bytes._value.get() > 16 * 1024  # many chunks' worth
+        assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 0
+        assert _arena_free(pair)
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+async def test_inline_fallback_when_the_plane_cannot_open(tmp_path, monkeypatch, side):
+    """No transfer engine on the decode worker (it offers nothing) or on the prefill worker (it
+    answers inline): the K/V goes on the gRPC stream, counted, and the answer is the same."""
+    from kvrelay.kvtransfer import mooncake
+
+    def unavailable(host, protocol, device=""):
+        raise PlaneUnavailable("no transfer engine in this test")
+
+    if side == "decode":
+        monkeypatch.setattr(mooncake, "open_engine", unavailable)
+    pair = await _mooncake_pair(tmp_path)
+    if side == "prefill":
+        monkeypatch.setattr(mooncake, "open_engine", unavailable)
+    try:
+        want = await reference_tokens(PROMPT, SEEDED)
+        for _ in range(2):  # the prefill worker does not retry a failed engine per hand-off
+            assert await _tokens(pair.client.generate(PROMPT, SEEDED, prefill_addr=pair.prefill_addr)) == want
+        assert pair.decode.metrics.kv_bytes._value.get() > 0
+        assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 0
+        assert _handoffs(pair) == 0
+        if side == "decode":
+            assert pair.decode.transport.remote is None and _fallbacks(pair.decode, "unavailable") == 1
+        else:
+            assert _fallbacks(pair.prefill, "unavailable") == 2 and _arena_free(pair)
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+
+
+async def test_corrupted_remote_chunk_is_detected_never_used(tmp_path, monkeypatch):
+    """A bit flipped after the prefill worker hashed the bytes (on the wire, say) fails the
+    decode worker's checksum: the attempt is dropped and the request prefilled locally."""
+    from kvrelay.kvtransfer import mooncake
+
+    real = mooncake.place_chunk
+
+    def corrupting(header, data, region, offset):
+        msg = real(header, data, region, offset)
+        region[offset] ^= 1
+        return msg
+
+    monkeypatch.setattr(mooncake, "place_chunk", corrupting)
+    pair = await _mooncake_pair(tmp_path)
+    try:
+        want = await reference_tokens(PROMPT[:100], SEEDED)
+        assert await _tokens(pair.client.generate(PROMPT[:100], SEEDED, prefill_addr=pair.prefill_addr)) == want
+        assert pair.decode.metrics.failures.labels("ChunkError")._value.get() == 1
+        assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 1
+        assert _arena_free(pair)
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+
+
+async def test_client_abort_mid_mooncake_transfer_frees_both_sides(tmp_path):
+    pair = await _mooncake_pair(tmp_path, delay_s=0.1)
+    try:
+        task = asyncio.create_task(_tokens(pair.client.generate(PROMPT, SEEDED, "abort-mc",
+                                                                prefill_addr=pair.prefill_addr)))
+
+        async def transferring() -> bool:
+            return _handoffs(pair) == 1
+
+        async def released() -> bool:
+            return pair.prefill.active_handoffs() == 0 and _arena_free(pair)
+
+        await wait_until(transferring, what="the hand-off to start")
+        await asyncio.sleep(0.5)  # a few chunks are through
+        assert await pair.client.abort("abort-mc")
+        await asyncio.wait_for(task, 30)
+        await wait_until(released, what="the prefill side and the region to be released")
+        assert pair.prefill.metrics.kv_handoffs.labels("decode_abort")._value.get() == 1
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+        # The plane serves the next request as before.
+        want = await reference_tokens(PROMPT[:40], GREEDY)
+        assert await _tokens(pair.client.generate(PROMPT[:40], GREEDY, prefill_addr=pair.prefill_addr)) == want
+        assert _handoffs(pair) == 2
+    finally:
+        await stop_pair(pair)
+
+
+async def test_prefill_killed_mid_mooncake_transfer_frees_blocks_and_region(spawn, tmp_path):
+    victim = spawn("prefill", *SLOW_PREFILL)
+    mport = free_port()
+    decode = spawn("decode", "--max-message-bytes", "16KiB", "--metrics-port", str(mport), "--kv-transport",
+                   "mooncake", "--kv-remote-bytes", "4MiB", "--kv-shm-dir", str(tmp_path))
+    want = await reference_tokens(PROMPT, SEEDED)
+    async with DecodeClient(decode.addr) as client:
+        task = asyncio.create_task(_tokens(client.generate(PROMPT, SEEDED, "kill-mc", prefill_addr=victim.addr)))
+        await _handoff_started(victim.addr)
+        free_during = metric_value(scrape(mport), "kvrelay:kv_shm_free_bytes")
+        victim.kill()
+        assert await asyncio.wait_for(task, 30) == want  # prefilled locally
+    page = scrape(mport)
+    assert free_during < metric_value(page, "kvrelay:kv_shm_free_bytes") == REGION_BYTES - DATA_START
+    assert metric_value(page, "kvrelay:kv_transfer_fallbacks_total", 'kind="local"') == 1
+    await assert_worker_free(decode.addr)
