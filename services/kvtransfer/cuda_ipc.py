@@ -24,7 +24,9 @@ import logging
 import secrets
 import threading
 
+import numpy as np
 import torch
+from kvrelay.kvtransfer.chunk_wire import Payload, payload_arrays
 from kvrelay.kvtransfer.errors import ChunkError
 from kvrelay.kvtransfer.layout import ChunkVerifier, DirectChunk, KVLayout
 from kvrelay.v1 import kv_pb2
@@ -105,23 +107,28 @@ class CudaIpcExport:
             return "other_node"
         return None
 
-    def chunk(self, header: kv_pb2.KVChunk, gathered: torch.Tensor, source_ids: list[int]) -> kv_pb2.PrefillServerMessage:
+    def chunk(self, header: kv_pb2.KVChunk, gathered: Payload, source_ids: list[int]) -> kv_pb2.PrefillServerMessage:
         """The chunk message: the held blocks to copy and the checksum of their bytes (gathered:
         the chunk as gather_blocks packs it, still on the GPU)."""
+        if not isinstance(gathered, torch.Tensor):  # a CPU cache's block views (tests drive the plane on CPU)
+            gathered = torch.from_numpy(np.concatenate([a.reshape(-1) for a in payload_arrays(gathered)]))
         header.source_block_ids.extend(source_ids)
         header.device_checksum = device_checksum(gathered)
         return kv_pb2.PrefillServerMessage(chunk=header)
 
 
 def export_handle(kv_cache: torch.Tensor) -> kv_pb2.CudaIpcCache:
-    storage = kv_cache.untyped_storage()
-    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
-     event_sync) = storage._share_cuda_()
+    """The cache's CUDA IPC handle, as torch.multiprocessing shares a CUDA tensor (which also
+    keeps the storage in torch's cache, so a decode worker in this very process opens it too)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, (_, shape, stride, tensor_offset, _, _, device, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset,
+        event_handle, event_sync) = reduce_tensor(kv_cache)
     return kv_pb2.CudaIpcCache(
         device_index=device, handle=handle, storage_size_bytes=size_bytes, storage_offset_bytes=offset_bytes,
         ref_counter_handle=ref_handle, ref_counter_offset=ref_offset, event_handle=event_handle or b"",
-        event_sync_required=event_sync, shape=list(kv_cache.shape), stride=list(kv_cache.stride()),
-        tensor_offset=kv_cache.storage_offset(), nonce=secrets.token_bytes(16))
+        event_sync_required=event_sync, shape=list(shape), stride=list(stride), tensor_offset=tensor_offset,
+        nonce=secrets.token_bytes(16))
 
 
 def open_handle(msg: kv_pb2.CudaIpcCache, dtype: torch.dtype) -> torch.Tensor:
