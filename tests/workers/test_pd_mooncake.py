@@ -13,6 +13,7 @@ from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer.client import DecodeClient
+from kvrelay.kvtransfer.errors import WorkerUnavailableError
 from kvrelay.kvtransfer.mooncake import PlaneUnavailable
 from kvrelay.kvtransfer.shm import DATA_START
 from kvrelay.kvtransfer.worker_base import WorkerOptions
@@ -20,6 +21,7 @@ from pd_helpers import (
     assert_all_free,
     assert_worker_free,
     free_port,
+    load_report,
     metric_value,
     reference_tokens,
     scrape,
@@ -185,3 +187,31 @@ async def test_prefill_killed_mid_mooncake_transfer_frees_blocks_and_region(spaw
     assert free_during < metric_value(page, "kvrelay:kv_shm_free_bytes") == REGION_BYTES - DATA_START
     assert metric_value(page, "kvrelay:kv_transfer_fallbacks_total", 'kind="local"') == 1
     await assert_worker_free(decode.addr)
+
+
+async def test_decode_killed_mid_mooncake_transfer_frees_prefill_blocks(spawn, tmp_path):
+    """The prefill worker's next write into the dead decode worker's region fails, or its stream
+    breaks first: either way it frees its held blocks at once."""
+    mport = free_port()
+    prefill = spawn("prefill", *SLOW_PREFILL, "--metrics-port", str(mport))
+    decode = spawn("decode", "--max-message-bytes", "16KiB", "--kv-transport", "mooncake", "--kv-remote-bytes",
+                   "4MiB", "--kv-shm-dir", str(tmp_path))
+    client = DecodeClient(decode.addr)
+    task = asyncio.create_task(_tokens(client.generate(PROMPT, SEEDED, "kill-d-mc", prefill_addr=prefill.addr)))
+    try:
+        await _handoff_started(prefill.addr)
+        page = scrape(mport)
+        assert metric_value(page, "kvrelay:kv_plane_handoffs_total", 'plane="mooncake"') == 1
+        assert not (await load_report(prefill.addr)).all_blocks_free  # blocks held for the transfer
+        decode.kill()
+        report = await assert_worker_free(prefill.addr)
+        assert report.active_handoffs == 0
+        page = scrape(mport)
+        ended = sum(metric_value(page, "kvrelay:kv_handoffs_total", f'outcome="{why}"')
+                    for why in ("stream_broken", "remote_write_failed"))
+        assert ended == 1
+        with pytest.raises(WorkerUnavailableError):
+            await asyncio.wait_for(task, 10)
+    finally:
+        task.cancel()
+        await client.close()
