@@ -86,7 +86,7 @@ class Worker:
             os.sched_setaffinity(self.proc.pid, {core})  # before torch starts its threads
         self.metrics_port = metrics_port
         for line in self.proc.stdout:
-            m = re.search(r"listening on ([\d.]+):(\d+)", line)
+            m = re.search(r"kvrelay \w+ listening on ([\d.]+):(\d+)", line)
             if m:
                 self.addr = f"{m.group(1)}:{m.group(2)}"
                 threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()

@@ -5,10 +5,12 @@ The decode worker keeps an arena (kvrelay.kvtransfer.shm.ShmArena: the same firs
 of regions) whose memory is registered with its transfer engine once, and for each hand-off
 offers a region of it in PrefillStart.remote (its engine's session "host:port", the region's
 address and size). A prefill worker that can open a transfer engine answers
-HandoffHeader.remote = true and, for each chunk, places the bytes in a staging buffer registered
-with its own engine (one copy from the held blocks, and the XXH3 of the placed bytes), writes them
-into the region with one synchronous transfer, and only then sends the chunk's header on the gRPC
-stream, with shm_offset/shm_size relative to the region, as on the shared-memory plane. From there
+HandoffHeader.remote = true and, for each chunk, writes the bytes into the region with one
+synchronous transfer, and only then sends the chunk's header on the gRPC stream, with
+shm_offset/shm_size relative to the region, as on the shared-memory plane. Over TCP from a CPU
+cache the engine reads the held blocks where they lie (one batch of writes, XXH3 of the blocks);
+otherwise (RDMA, which reads only registered memory, or a chunk gathered off a GPU) the bytes are
+first placed in a staging buffer registered with its engine (XXH3 of the placed bytes). From there
 the decode worker treats the chunk exactly as a shared-memory one: it checks the range and the
 checksum and copies into its reserved blocks on its engine thread, and the region's quarantine
 after an unconfirmed abort covers a transfer still in flight. Writes into a worker's KV cache stay
@@ -27,7 +29,8 @@ import logging
 import threading
 
 import numpy as np
-from kvrelay.kvtransfer.chunk_wire import Payload, payload_size, place_chunk
+import torch
+from kvrelay.kvtransfer.chunk_wire import Payload, payload_size, pieces_checksum, place_chunk
 from kvrelay.kvtransfer.shm import Region, ShmArena
 from kvrelay.v1 import kv_pb2
 
@@ -149,6 +152,8 @@ class RemoteTarget:
             raise ValueError(f"chunk of {size} B does not fit the remote region at {self.next}")
         w = self.writer
         protocol = self.offer.protocol or "tcp"
+        if protocol == "tcp" and not isinstance(data, torch.Tensor):
+            return self._place_pieces(header, data, size)
         with w._lock:
             buf = w.staging(self.engine, protocol, size)
             msg = place_chunk(header, data, buf, 0)  # xxh3_64 of the placed bytes
@@ -160,3 +165,21 @@ class RemoteTarget:
         msg.chunk.shm_offset = self.next
         self.next += size
         return msg
+
+    def _place_pieces(self, header: kv_pb2.KVChunk, pieces: list[np.ndarray], size: int) -> kv_pb2.PrefillServerMessage:
+        """TCP from a CPU cache: the engine reads the held blocks' views where they lie (TCP needs
+        no registered source), so the bytes are copied once, into the socket, instead of twice."""
+        header.xxh3_64 = pieces_checksum(pieces)
+        addrs, dests, lengths, at = [], [], [], self.offer.address + self.next
+        for piece in pieces:
+            addrs.append(int(piece.ctypes.data))
+            dests.append(at)
+            lengths.append(piece.nbytes)
+            at += piece.nbytes
+        rc = self.engine.batch_transfer_sync_write(self.offer.session, addrs, dests, lengths)
+        if rc != 0:
+            raise ConnectionError(f"Mooncake write of {size} B to {self.offer.session} failed ({rc}): the decode "
+                                  f"worker is gone or unreachable")
+        header.shm_offset, header.shm_size = self.next, size
+        self.next += size
+        return kv_pb2.PrefillServerMessage(chunk=header)

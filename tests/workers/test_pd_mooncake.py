@@ -6,17 +6,22 @@ killed prefill worker leaving both pools and the region arena free."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import random
 
+import numpy as np
 import pytest
+import torch
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer.chunk_wire import checksum
 from kvrelay.kvtransfer.client import DecodeClient
 from kvrelay.kvtransfer.errors import WorkerUnavailableError
-from kvrelay.kvtransfer.mooncake import PlaneUnavailable
-from kvrelay.kvtransfer.shm import DATA_START
+from kvrelay.kvtransfer.mooncake import MooncakeRegions, MooncakeWriter, PlaneUnavailable, RemoteTarget
+from kvrelay.kvtransfer.shm import DATA_START, ShmArena
 from kvrelay.kvtransfer.worker_base import WorkerOptions
+from kvrelay.v1 import kv_pb2
 from pd_helpers import (
     assert_all_free,
     assert_worker_free,
@@ -120,18 +125,17 @@ async def test_inline_fallback_when_the_plane_cannot_open(tmp_path, monkeypatch,
 
 
 async def test_corrupted_remote_chunk_is_detected_never_used(tmp_path, monkeypatch):
-    """A bit flipped after the prefill worker hashed the bytes (on the wire, say) fails the
-    decode worker's checksum: the attempt is dropped and the request prefilled locally."""
-    from kvrelay.kvtransfer import mooncake
+    """A bit flipped in the region after the prefill worker hashed and wrote the bytes (on the
+    wire, say) fails the decode worker's checksum: the attempt is dropped and the request
+    prefilled locally."""
+    real = RemoteTarget.place
 
-    real = mooncake.place_chunk
-
-    def corrupting(header, data, region, offset):
-        msg = real(header, data, region, offset)
-        region[offset] ^= 1
+    def corrupting(self, header, data):
+        msg = real(self, header, data)
+        ctypes.c_uint8.from_address(self.offer.address + msg.chunk.shm_offset).value ^= 1
         return msg
 
-    monkeypatch.setattr(mooncake, "place_chunk", corrupting)
+    monkeypatch.setattr(RemoteTarget, "place", corrupting)
     pair = await _mooncake_pair(tmp_path)
     try:
         want = await reference_tokens(PROMPT[:100], SEEDED)
@@ -142,6 +146,39 @@ async def test_corrupted_remote_chunk_is_detected_never_used(tmp_path, monkeypat
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
     finally:
         await stop_pair(pair)
+
+
+@pytest.mark.parametrize("payload", ["block_views", "gathered_tensor"])
+def test_remote_target_writes_chunks_back_to_back_into_the_region(tmp_path, payload):
+    """Block views of a CPU cache go straight from where they lie (TCP); a gathered tensor (a GPU
+    cache's chunk) goes through the registered staging buffer, as RDMA needs. Both land exactly,
+    with the XXH3 of the bytes, one chunk after the other."""
+    arena = ShmArena(REGION_BYTES, tmp_path)
+    regions = MooncakeRegions(arena, "127.0.0.1")
+    try:
+        region = arena.allocate(64 * 1024)
+        writer = MooncakeWriter("127.0.0.1")
+        target = writer.remote(regions.offer(region), 64 * 1024)
+        rng = np.random.default_rng(0)
+        cache = rng.integers(0, 256, size=(3, 2, 8, 1024), dtype=np.uint8)
+        chunks = [[cache[0, 0, 2:5], cache[0, 1, 2:5]], [cache[2, 0, 7:8], cache[2, 1, 7:8]]]
+        at = 0
+        for pieces in chunks:
+            want = np.concatenate([p.reshape(-1) for p in pieces])
+            data = pieces if payload == "block_views" else torch.from_numpy(want.copy())
+            msg = target.place(kv_pb2.KVChunk(), data)
+            assert (msg.chunk.shm_offset, msg.chunk.shm_size) == (at, want.nbytes)
+            assert msg.chunk.xxh3_64 == checksum(want)
+            got = arena.view[region.offset + at:region.offset + at + want.nbytes]
+            assert np.array_equal(got, want)
+            at += want.nbytes
+        with pytest.raises(ValueError, match="does not fit"):
+            target.place(kv_pb2.KVChunk(), torch.zeros(64 * 1024, dtype=torch.uint8))
+        with pytest.raises(PlaneUnavailable, match="holds"):
+            writer.remote(regions.offer(region), 10**9)
+    finally:
+        regions.close()
+    assert not arena.path.exists()
 
 
 async def test_client_abort_mid_mooncake_transfer_frees_both_sides(tmp_path):
