@@ -252,3 +252,25 @@ async def test_decode_killed_mid_mooncake_transfer_frees_prefill_blocks(spawn, t
     finally:
         task.cancel()
         await client.close()
+
+
+def test_builtin_planes_by_name_and_their_start_up_fallbacks(tmp_path):
+    from kvrelay.kvtransfer.layout import KVLayout
+    from kvrelay.kvtransfer.metrics import WorkerMetrics
+    from kvrelay.kvtransfer.planes import builtin_transport
+
+    layout = KVLayout("m", "r", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+    metrics = WorkerMetrics()
+    tiny = WorkerOptions(kv_transport="mooncake", kv_remote_bytes=16, kv_shm_dir=str(tmp_path))
+    t = builtin_transport("mooncake", layout, tiny, metrics, torch.device("cpu"))
+    assert t.remote is None and t.arena is None  # inline on gRPC
+    assert metrics.plane_fallbacks.labels("mooncake", "no_arena")._value.get() == 1
+    ok = WorkerOptions(kv_transport="mooncake", kv_remote_bytes=REGION_BYTES, kv_shm_dir=str(tmp_path))
+    t = builtin_transport("mooncake", layout, ok, metrics, torch.device("cpu"))
+    try:
+        assert t.remote is not None and t.arena is t.remote.arena and t.doorbell is None
+        assert t.remote.session.startswith("127.0.0.1:")
+    finally:
+        t.remote.close()
+    with pytest.raises(ValueError, match="built-in planes are mooncake, cuda-ipc"):
+        builtin_transport("nixl", layout, ok, metrics, torch.device("cpu"))
