@@ -83,6 +83,7 @@ class _Handoff:
     cuda_ipc: kv_pb2.CudaIpcCache | None = None  # set: the decode worker copies held blocks over CUDA IPC
     block_table: list[int] = dataclasses.field(default_factory=list)  # of the last gather (engine thread)
     started_at: float = 0.0  # when the prefill was submitted (monotonic)
+    interrupt: tuple | None = None  # the first _interrupt's event, acted on before queued chunks
 
 
 class _PipelinedWriter:
@@ -261,8 +262,13 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             while True:
                 ev = await h.events.get()
                 if ev[0] == "chunk":
-                    if h.lease.release_reason == "decode_abort":  # queued behind chunks: stop writing now
+                    # An abort (either side), lease expiry or shutdown is queued behind the chunks:
+                    # act on it now instead of sending them all first.
+                    if h.lease.release_reason == "decode_abort":
                         return "decode_abort"
+                    if h.interrupt is not None:
+                        await out.flush()
+                        return await self._handle_event(h, h.interrupt, context)
                     _, r, t = ev
                     if h.send_started_at is None:
                         h.send_started_at = time.monotonic()
@@ -396,6 +402,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
     def _interrupt(self, h: _Handoff, event: tuple) -> None:
         """Ask the hand-off to end with an explicit message to the decode side; if it is stuck
         writing to a decode worker that stopped reading, cancel it after a second."""
+        h.interrupt = h.interrupt or event
         h.events.put_nowait(event)
         task = h.lease.task
         if task is not None:

@@ -16,7 +16,7 @@ from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer.chunk_wire import checksum
-from kvrelay.kvtransfer.client import DecodeClient
+from kvrelay.kvtransfer.client import DecodeClient, PrefillClient
 from kvrelay.kvtransfer.errors import WorkerUnavailableError
 from kvrelay.kvtransfer.mooncake import MooncakeRegions, MooncakeWriter, PlaneUnavailable, RemoteTarget
 from kvrelay.kvtransfer.shm import DATA_START, ShmArena
@@ -204,6 +204,33 @@ async def test_client_abort_mid_mooncake_transfer_frees_both_sides(tmp_path):
         want = await reference_tokens(PROMPT[:40], GREEDY)
         assert await _tokens(pair.client.generate(PROMPT[:40], GREEDY, prefill_addr=pair.prefill_addr)) == want
         assert _handoffs(pair) == 2
+    finally:
+        await stop_pair(pair)
+
+
+async def test_prefill_side_abort_mid_mooncake_transfer_falls_back_and_frees_the_region(tmp_path):
+    """An abort on the prefill worker (PrefillService.Abort) mid-transfer: it stops writing, tells
+    the decode worker and ends the call, so the region returns at once (no quarantine) and the
+    decode worker prefills locally."""
+    pair = await _mooncake_pair(tmp_path, delay_s=0.1)
+    pair.decode.transport.shm_quarantine_s = 600.0  # a quarantined region would fail the check below
+    try:
+        want = await reference_tokens(PROMPT, SEEDED)
+        task = asyncio.create_task(_tokens(pair.client.generate(PROMPT, SEEDED, "pabort-mc",
+                                                                prefill_addr=pair.prefill_addr)))
+
+        async def transferring() -> bool:
+            return pair.decode.metrics.kv_bytes._value.get() == 0 and _handoffs(pair) == 1
+
+        await wait_until(transferring, what="the hand-off to start")
+        await asyncio.sleep(0.5)
+        async with PrefillClient(pair.prefill_addr) as prefill:
+            assert await prefill.abort("pabort-mc")
+        assert await asyncio.wait_for(task, 30) == want  # prefilled locally
+        assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 1
+        assert pair.prefill.metrics.kv_handoffs.labels("client_abort")._value.get() == 1
+        assert _arena_free(pair)
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
     finally:
         await stop_pair(pair)
 
