@@ -218,6 +218,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         m = self.metrics
         m.kv_seconds.observe(result.seconds)
         m.kv_bytes.inc(result.bytes)
+        m.kv_plane_seconds.labels(result.plane).observe(result.seconds)
+        m.kv_plane_bytes.labels(result.plane).inc(result.bytes)
         m.kv_overlap_bytes.inc(result.bytes_before_compute_done)
         if result.seconds > 0:
             m.kv_speed.observe(result.bytes / result.seconds / 1e9)

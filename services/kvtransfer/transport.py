@@ -91,6 +91,7 @@ class HandoffResult:
     seconds: float  # first chunk received -> last chunk written
     bytes_before_compute_done: int
     prefill_seconds: float
+    plane: str = "grpc"  # where the bytes went: grpc (inline), shm (region, doorbell or direct), mooncake, cuda-ipc
 
 
 class KVTransport(abc.ABC):
@@ -251,6 +252,7 @@ class GrpcKVTransport(KVTransport):
             self.doorbell.unregister(attempt.doorbell)
             attempt.doorbell = None
         shm = _ShmReader(self.arena, region) if header.shm or header.remote else None
+        plane = "cuda-ipc" if ipc_source is not None else "mooncake" if header.remote else "shm" if header.shm else "grpc"
         writer = _BatchWriter(dest.write)
         try:
             while True:
@@ -275,7 +277,7 @@ class GrpcKVTransport(KVTransport):
                         num_cached_tokens=done.num_cached_tokens, bytes=verifier.bytes,
                         seconds=time.monotonic() - (t0 or time.monotonic()),
                         bytes_before_compute_done=done.bytes_before_compute_done,
-                        prefill_seconds=done.prefill_seconds)
+                        prefill_seconds=done.prefill_seconds, plane=plane)
                 elif kind == "aborted":
                     raise PrefillFailedError(f"prefill worker aborted the hand-off: {msg.aborted.reason}")
                 else:
@@ -319,7 +321,8 @@ class GrpcKVTransport(KVTransport):
             first_logprob=logprob_from_proto(done.first_logprob) if done.has_logprob else None,
             num_cached_tokens=done.num_cached_tokens, bytes=verifier.bytes,
             seconds=h.written_at - (h.first_chunk_at or h.written_at),  # both set before the future resolves
-            bytes_before_compute_done=done.bytes_before_compute_done, prefill_seconds=done.prefill_seconds)
+            bytes_before_compute_done=done.bytes_before_compute_done, prefill_seconds=done.prefill_seconds,
+            plane="shm")
 
 
 @dataclass(eq=False)

@@ -178,7 +178,8 @@ async def test_cuda_ipc_protocol_equals_single_process(monkeypatch, streaming):
                 assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
         assert pair.prefill.metrics.plane_handoffs.labels("cuda-ipc")._value.get() >= 4
         assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 0
-        assert pair.decode.metrics.kv_bytes._value.get() > 0
+        moved = pair.decode.metrics.kv_bytes._value.get()
+        assert moved > 0 and pair.decode.metrics.kv_plane_bytes.labels("cuda-ipc")._value.get() == moved
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
     finally:
         await stop_pair(pair)

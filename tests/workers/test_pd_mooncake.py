@@ -85,7 +85,9 @@ async def test_mooncake_handoff_equals_single_process(tmp_path, streaming):
                 runs += 1
         # Every hand-off that had blocks to send went over the plane: no inline fallback.
         assert _handoffs(pair) >= runs - 2 and _fallbacks(pair.prefill, "unavailable") == 0
-        assert pair.decode.metrics.kv_bytes._value.get() > 16 * 1024  # many chunks' worth
+        moved = pair.decode.metrics.kv_bytes._value.get()
+        assert moved > 16 * 1024  # many chunks' worth
+        assert pair.decode.metrics.kv_plane_bytes.labels("mooncake")._value.get() == moved
         assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 0
         assert _arena_free(pair)
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
@@ -112,7 +114,8 @@ async def test_inline_fallback_when_the_plane_cannot_open(tmp_path, monkeypatch,
         want = await reference_tokens(PROMPT, SEEDED)
         for _ in range(2):  # the prefill worker does not retry a failed engine per hand-off
             assert await _tokens(pair.client.generate(PROMPT, SEEDED, prefill_addr=pair.prefill_addr)) == want
-        assert pair.decode.metrics.kv_bytes._value.get() > 0
+        moved = pair.decode.metrics.kv_bytes._value.get()
+        assert moved > 0 and pair.decode.metrics.kv_plane_bytes.labels("grpc")._value.get() == moved
         assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 0
         assert _handoffs(pair) == 0
         if side == "decode":
