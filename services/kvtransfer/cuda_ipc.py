@@ -117,23 +117,32 @@ class CudaIpcExport:
         return kv_pb2.PrefillServerMessage(chunk=header)
 
 
+# Caches exported by this process, by nonce: CUDA refuses to open a process's own IPC handle, so a
+# decode worker in the same process (the GPU device script) takes the tensor itself.
+_EXPORTED: dict[bytes, torch.Tensor] = {}
+
+
 def export_handle(kv_cache: torch.Tensor) -> kv_pb2.CudaIpcCache:
-    """The cache's CUDA IPC handle, as torch.multiprocessing shares a CUDA tensor (which also
-    keeps the storage in torch's cache, so a decode worker in this very process opens it too)."""
+    """The cache's CUDA IPC handle, as torch.multiprocessing shares a CUDA tensor."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, (_, shape, stride, tensor_offset, _, _, device, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset,
         event_handle, event_sync) = reduce_tensor(kv_cache)
+    nonce = secrets.token_bytes(16)
+    _EXPORTED[nonce] = kv_cache
     return kv_pb2.CudaIpcCache(
         device_index=device, handle=handle, storage_size_bytes=size_bytes, storage_offset_bytes=offset_bytes,
         ref_counter_handle=ref_handle, ref_counter_offset=ref_offset, event_handle=event_handle or b"",
         event_sync_required=event_sync, shape=list(shape), stride=list(stride), tensor_offset=tensor_offset,
-        nonce=secrets.token_bytes(16))
+        nonce=nonce)
 
 
 def open_handle(msg: kv_pb2.CudaIpcCache, dtype: torch.dtype) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+    local = _EXPORTED.get(msg.nonce)
+    if local is not None:
+        return local
     return rebuild_cuda_tensor(
         torch.Tensor, torch.Size(msg.shape), tuple(msg.stride), msg.tensor_offset, torch.storage.UntypedStorage,
         dtype, msg.device_index, msg.handle, msg.storage_size_bytes, msg.storage_offset_bytes, False,

@@ -225,3 +225,11 @@ async def test_cuda_ipc_on_gpu_equals_single_process():
         await p.stop(0)
         await d.stop(0)
         await ref.shutdown()
+
+
+def test_a_cache_exported_by_this_process_opens_as_itself(monkeypatch):
+    """CUDA refuses to open a process's own IPC handle: a decode worker in the prefill worker's
+    process (the GPU device script) gets the exported tensor itself."""
+    cache = _cache()
+    monkeypatch.setitem(cuda_ipc._EXPORTED, b"z" * 16, cache)
+    assert cuda_ipc.open_handle(kv_pb2.CudaIpcCache(nonce=b"z" * 16), torch.float32) is cache
