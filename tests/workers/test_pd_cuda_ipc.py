@@ -199,26 +199,42 @@ async def test_cuda_ipc_chunk_whose_bytes_differ_is_caught_and_falls_back(monkey
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-async def test_cuda_ipc_on_gpu_equals_single_process():
-    popts = WorkerOptions(stream_min_tokens=0, layer_group_size=2)
-    dopts = WorkerOptions(kv_transport="cuda-ipc")
-    args = {"device": "cuda", "num_kv_blocks": 96}
+@pytest.mark.parametrize("corrupt", [False, True], ids=["parity", "corrupted_copy"])
+async def test_cuda_ipc_on_gpu_equals_single_process(corrupt):
+    """Both workers in this process on one GPU (the handle opens as the exported tensor): greedy
+    and seeded with layer streaming, then a prefix hit; with the copy's source changed, every
+    hand-off is caught and prefilled locally, with the same answers."""
     from kvrelay.decode.worker import DecodeWorker
     from kvrelay.kvtransfer.client import DecodeClient
     from kvrelay.prefill.worker import PrefillWorker
     from pd_helpers import BUNDLED_MODEL
 
+    popts = WorkerOptions(stream_min_tokens=0, layer_group_size=2)
+    args = {"device": "cuda", "num_kv_blocks": 96}
     p = PrefillWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), popts)
-    d = DecodeWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), dopts)
+    d = DecodeWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), WorkerOptions(kv_transport="cuda-ipc"))
     pp, dp = await p.start(), await d.start()
+    if corrupt:
+        def changed(msg, dtype):
+            cache = cuda_ipc.open_handle(msg, dtype).clone()
+            cache.view(torch.int32).reshape(-1)[:: 1 << 12] ^= 1
+            return cache
+
+        d.transport.cuda_ipc._opener = changed
     ref = AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args))
     await ref.start()
     client = DecodeClient(f"127.0.0.1:{dp}")
     try:
-        for params in (GREEDY, SEEDED):
-            got = await _tokens(client.generate(PROMPT, params, prefill_addr=f"127.0.0.1:{pp}"))
-            assert got == await _tokens(ref.generate(PROMPT, params))
-        assert p.metrics.plane_handoffs.labels("cuda-ipc")._value.get() == 2
+        runs = [(PROMPT, GREEDY), (PROMPT, SEEDED), (PROMPT[:200] + [9, 9, 9], GREEDY)]  # the last: a prefix hit
+        for prompt, params in runs:
+            got = await _tokens(client.generate(prompt, params, prefill_addr=f"127.0.0.1:{pp}"))
+            assert got == await _tokens(ref.generate(prompt, params))
+        failures = d.metrics.failures.labels("ChunkError")._value.get()
+        moved = d.metrics.kv_plane_bytes.labels("cuda-ipc")._value.get()
+        if corrupt:
+            assert failures == len(runs) == d.metrics.fallbacks.labels("local")._value.get()
+        else:
+            assert failures == 0 and moved > 0 and p.metrics.plane_handoffs.labels("cuda-ipc")._value.get() == 3
         await assert_all_free(p.engine, d.engine)
     finally:
         await client.close()
