@@ -26,6 +26,7 @@ libibverbs1 to import even for TCP.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 
 import numpy as np
@@ -45,6 +46,18 @@ METADATA = "P2PHANDSHAKE"
 
 class PlaneUnavailable(RuntimeError):
     """The data plane cannot be opened here; hand-offs go inline on the gRPC stream."""
+
+    def __init__(self, message: str, reason: str = "unavailable"):
+        super().__init__(message)
+        self.reason = reason  # the label of kvrelay:kv_plane_fallbacks_total
+
+
+def default_host() -> str:
+    """This host's address as its hostname resolves (a pod's IP in Kubernetes), else loopback."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def open_engine(host: str, protocol: str, device: str = ""):
@@ -68,7 +81,8 @@ class MooncakeRegions:
     """Decode side: an arena's memory registered with a transfer engine, its regions offered as
     PrefillStart.remote."""
 
-    def __init__(self, arena: ShmArena, host: str, protocol: str = "tcp", engine=None):
+    def __init__(self, arena: ShmArena, host: str = "", protocol: str = "tcp", engine=None):
+        host = host or default_host()
         self.arena = arena
         self.protocol = protocol
         self.engine = engine or open_engine(host, protocol)
@@ -94,9 +108,12 @@ class MooncakeWriter:
     """Prefill side: one transfer engine per protocol (started at the first offer that asks for
     it) and a staging buffer registered with it; remote() opens one hand-off's target."""
 
-    def __init__(self, host: str):
-        self.host = host
+    def __init__(self, host: str = ""):
+        self.host = host or default_host()
         self._engines: dict[str, object] = {}
+        # Sessions a write failed to (a decode worker gone, or one that named an address this
+        # worker cannot reach): their later offers are answered inline instead of failing again.
+        self._unreachable: set[str] = set()
         self._failed: dict[str, str] = {}  # protocol -> why its engine did not start (not retried)
         self._staging: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()  # one write at a time per staging buffer
@@ -108,6 +125,8 @@ class MooncakeWriter:
             raise PlaneUnavailable(f"remote plane {offer.plane!r} is not {PLANE!r}")
         if offer.size < nbytes:
             raise PlaneUnavailable(f"the offered region holds {offer.size} B, the hand-off needs {nbytes} B")
+        if offer.session in self._unreachable:
+            raise PlaneUnavailable(f"an earlier write to {offer.session} failed", reason="unreachable")
         return RemoteTarget(self, self._engine(offer.protocol or "tcp"), offer)
 
     def _engine(self, protocol: str):
@@ -160,11 +179,18 @@ class RemoteTarget:
             rc = self.engine.transfer_sync_write(self.offer.session, int(buf.ctypes.data),
                                                  self.offer.address + self.next, size)
         if rc != 0:
-            raise ConnectionError(f"Mooncake write of {size} B to {self.offer.session} failed ({rc}): the decode "
-                                  f"worker is gone or unreachable")
+            self._fail(size, rc)
         msg.chunk.shm_offset = self.next
         self.next += size
         return msg
+
+    def _fail(self, size: int, rc: int) -> None:
+        unreachable = self.writer._unreachable
+        if len(unreachable) > 4096:  # sessions of dead decode workers: bounded
+            unreachable.clear()
+        unreachable.add(self.offer.session)
+        raise ConnectionError(f"Mooncake write of {size} B to {self.offer.session} failed ({rc}): the decode worker "
+                              f"is gone or unreachable at that address (--kv-mooncake-host)")
 
     def _place_pieces(self, header: kv_pb2.KVChunk, pieces: list[np.ndarray], size: int) -> kv_pb2.PrefillServerMessage:
         """TCP from a CPU cache: the engine reads the held blocks' views where they lie (TCP needs
@@ -178,8 +204,7 @@ class RemoteTarget:
             at += piece.nbytes
         rc = self.engine.batch_transfer_sync_write(self.offer.session, addrs, dests, lengths)
         if rc != 0:
-            raise ConnectionError(f"Mooncake write of {size} B to {self.offer.session} failed ({rc}): the decode "
-                                  f"worker is gone or unreachable")
+            self._fail(size, rc)
         header.shm_offset, header.shm_size = self.next, size
         self.next += size
         return kv_pb2.PrefillServerMessage(chunk=header)

@@ -64,7 +64,7 @@ def open_remote(writer: MooncakeWriter, offer: kv_pb2.RemoteRegion, nbytes: int,
         target = writer.remote(offer, nbytes)
     except PlaneUnavailable as e:
         log.debug("remote plane refused: %s", e)
-        metrics.plane_fallbacks.labels(offer.plane or MOONCAKE, "unavailable").inc()
+        metrics.plane_fallbacks.labels(offer.plane or MOONCAKE, e.reason).inc()
         return None
     metrics.plane_handoffs.labels(offer.plane).inc()
     return target

@@ -59,7 +59,7 @@ class WorkerOptions:
     # Mooncake data plane (--kv-transport mooncake, kvrelay.kvtransfer.mooncake): the address this
     # worker's transfer engine listens on, which its peers reach (the pod IP); the decode side's
     # protocol ("tcp" or "rdma") and the bytes of its registered region arena (in kv_shm_dir).
-    kv_mooncake_host: str = "127.0.0.1"
+    kv_mooncake_host: str = ""  # "": this host's address as its hostname resolves
     kv_mooncake_protocol: str = "tcp"
     kv_remote_bytes: int = 256 * 2**20
 
@@ -80,7 +80,7 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
                              f"${NODE_NAME_ENV}, set by the operator from the pod's spec.nodeName)")
     parser.add_argument("--kv-mooncake-host", default=d.kv_mooncake_host,
                         help="address this worker's Mooncake transfer engine listens on and peers reach it at "
-                             "(the pod IP; for --kv-transport mooncake)")
+                             "(the pod IP; default: what this host's name resolves to; for --kv-transport mooncake)")
     if role == "prefill":
         parser.add_argument("--kv-lease-seconds", dest="lease_seconds", type=float, default=d.lease_seconds,
                             help="free held KV blocks if the decode worker neither reads nor acknowledges "

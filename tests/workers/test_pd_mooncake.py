@@ -18,7 +18,13 @@ from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer.chunk_wire import checksum
 from kvrelay.kvtransfer.client import DecodeClient, PrefillClient
 from kvrelay.kvtransfer.errors import WorkerUnavailableError
-from kvrelay.kvtransfer.mooncake import MooncakeRegions, MooncakeWriter, PlaneUnavailable, RemoteTarget
+from kvrelay.kvtransfer.mooncake import (
+    MooncakeRegions,
+    MooncakeWriter,
+    PlaneUnavailable,
+    RemoteTarget,
+    default_host,
+)
 from kvrelay.kvtransfer.shm import DATA_START, ShmArena
 from kvrelay.kvtransfer.worker_base import WorkerOptions
 from kvrelay.v1 import kv_pb2
@@ -45,9 +51,9 @@ REGION_BYTES = 4 << 20
 
 async def _mooncake_pair(tmp_path, streaming: bool = False, delay_s: float = 0.0):
     popts = WorkerOptions(max_message_bytes=16 * 1024, stream_min_tokens=0 if streaming else 10**9,
-                          layer_group_size=1, debug_chunk_delay_s=delay_s)
+                          layer_group_size=1, debug_chunk_delay_s=delay_s, kv_mooncake_host="127.0.0.1")
     dopts = WorkerOptions(max_message_bytes=16 * 1024, kv_transport="mooncake", kv_remote_bytes=REGION_BYTES,
-                          kv_shm_dir=str(tmp_path))
+                          kv_shm_dir=str(tmp_path), kv_mooncake_host="127.0.0.1")
     return await start_pair(prefill_options=popts, decode_options=dopts)
 
 
@@ -299,8 +305,28 @@ def test_builtin_planes_by_name_and_their_start_up_fallbacks(tmp_path):
     t = builtin_transport("mooncake", layout, ok, metrics, torch.device("cpu"))
     try:
         assert t.remote is not None and t.arena is t.remote.arena and t.doorbell is None
-        assert t.remote.session.startswith("127.0.0.1:")
+        assert t.remote.session.startswith(f"{default_host()}:")  # no --kv-mooncake-host: what the name resolves to
     finally:
         t.remote.close()
     with pytest.raises(ValueError, match="built-in planes are mooncake, cuda-ipc"):
         builtin_transport("nixl", layout, ok, metrics, torch.device("cpu"))
+
+
+def test_a_session_a_write_failed_to_is_answered_inline_from_then_on():
+    """A decode worker that named an address this prefill worker cannot reach (or that died):
+    the failed write ends that hand-off, and later offers from that session go inline at once
+    instead of failing each hand-off again."""
+    from kvrelay.kvtransfer.metrics import WorkerMetrics
+    from kvrelay.kvtransfer.planes import open_remote
+
+    writer = MooncakeWriter("127.0.0.1")
+    offer = kv_pb2.RemoteRegion(plane="mooncake", session="127.0.0.1:1", protocol="tcp", address=4096,
+                                size=1 << 20)  # nothing listens on port 1
+    target = writer.remote(offer, 1024)
+    with pytest.raises(ConnectionError, match="gone or unreachable"):
+        target.place(kv_pb2.KVChunk(), [np.zeros(1024, dtype=np.uint8)])
+    metrics = WorkerMetrics()
+    assert open_remote(writer, offer, 1024, metrics) is None
+    assert metrics.plane_fallbacks.labels("mooncake", "unreachable")._value.get() == 1
+    other = kv_pb2.RemoteRegion(plane="mooncake", session="127.0.0.1:2", protocol="tcp", address=4096, size=1 << 20)
+    assert open_remote(writer, other, 1024, metrics) is not None  # other decode workers are still offered
