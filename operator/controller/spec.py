@@ -14,7 +14,9 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "int8")  # what the engine implements
-TRANSPORTS = ("grpc",)  # RDMA (UCX/NIXL) is designed for (docs/ARCHITECTURE.md), not built
+# grpc: K/V inline on the control stream; mooncake: the Mooncake transfer engine over TCP (any node);
+# rdma: the same over RDMA; cuda-ipc: GPU to GPU between pods on one node (kvrelay.kvtransfer).
+TRANSPORTS = ("grpc", "mooncake", "rdma", "cuda-ipc")
 # Kubernetes quantity suffixes, for sizes given as strings ("2Gi", "512M").
 _QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
                    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -184,9 +186,6 @@ def _bytes(value: Any, path: str) -> int:
 def _kv_transfer(value: Any) -> tuple[str, SharedMemorySpec]:
     path = "spec.kvTransfer"
     src = _obj(value, path)
-    if src.get("transport") == "rdma":
-        raise InvalidSpec(f"{path}.transport: rdma is not implemented in this release (no UCX or NIXL); use grpc, "
-                          f"and {path}.sharedMemory for prefill and decode pods on one node")
     transport = _enum(src, "transport", path, TRANSPORTS)
     shm_src = _obj(src.get("sharedMemory"), f"{path}.sharedMemory")
     if not shm_src:

@@ -109,6 +109,16 @@ class WorkerMetrics:
                               "Prefill side: doorbell hand-offs whose decode worker copied the K/V straight out "
                               "of this worker's shared KV cache (--kv-shared-cache) instead of a region.",
                               registry=r)
+        self.kv_plane_seconds = Histogram("kvrelay:kv_plane_transfer_seconds", "kvrelay:kv_transfer_seconds by "
+                                          "data plane (grpc, shm, mooncake, cuda-ipc).", ["plane"],
+                                          buckets=self.kv_seconds._upper_bounds[:-1], registry=r)
+        self.kv_plane_bytes = Counter("kvrelay:kv_plane_transfer_bytes", "kvrelay:kv_transfer_bytes by data plane.",
+                                      ["plane"], registry=r)
+        self.plane_handoffs = Counter("kvrelay:kv_plane_handoffs", "Prefill side: hand-offs that took a fast "
+                                      "data plane (mooncake, cuda-ipc).", ["plane"], registry=r)
+        self.plane_fallbacks = Counter("kvrelay:kv_plane_fallbacks", "Hand-offs whose fast data plane "
+                                       "(mooncake, cuda-ipc) could not open, so the K/V went inline on gRPC, by "
+                                       "plane and reason.", ["plane", "reason"], registry=r)
         self.failures = Counter("kvrelay:kv_transfer_failures", "Failed hand-offs by reason.", ["reason"],
                                 registry=r)
 

@@ -41,7 +41,7 @@ def test_schema_requires_model_uri_and_validates_replica_bounds():
         # Guarded: the API server checks each rule against `default: {}` before nested defaults.
         assert "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas" in rules
     assert spec["properties"]["model"]["properties"]["dtype"]["enum"] == ["auto", "float32", "float16", "bfloat16"]
-    assert spec["properties"]["kvTransfer"]["properties"]["transport"]["enum"] == ["grpc"]
+    assert spec["properties"]["kvTransfer"]["properties"]["transport"]["enum"] == ["grpc", "mooncake", "rdma", "cuda-ipc"]
 
 
 def test_operator_defaults_equal_the_crd_defaults():
@@ -87,7 +87,6 @@ def test_schema_and_operator_both_reject(bad, field):
     ({"model": {"uri": "/m"}, "redis": {"url": "redis://r", "secretRef": {"name": "s"}}}, "not both"),
     ({"model": {"uri": "/m"}, "redis": {"url": "http://r"}}, "redis://"),
     ({"model": {"uri": "/m"}, "gateway": "big"}, "spec.gateway must be an object"),
-    ({"model": {"uri": "/m"}, "kvTransfer": {"transport": "rdma"}}, "rdma is not implemented"),
     ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": "1.5Gi"}}}, "quantity such as 512Mi"),
     ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": "2Gb"}}}, "quantity such as 512Mi"),
     ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": 4096}}}, "at least 1Mi"),
