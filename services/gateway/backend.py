@@ -23,6 +23,7 @@ Implementations:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -68,6 +69,7 @@ class LocalBackend:
         self.engine_args = engine_args
         self.engine = None
         self._started = False
+        self.on_dead = None  # fn(error), called once if the engine's step loop crashes (serve exits)
 
     async def start(self) -> None:
         from kvrelay.engine.async_engine import AsyncEngine
@@ -76,6 +78,12 @@ class LocalBackend:
         self.engine = AsyncEngine(self.engine_args)
         await self.engine.start()
         self._started = True
+        self._dead_watch = asyncio.create_task(self._watch_dead())
+
+    async def _watch_dead(self) -> None:
+        error = await self.engine.wait_dead()
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     @property
     def model_name(self) -> str:

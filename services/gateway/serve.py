@@ -94,9 +94,10 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                                                    args.max_connections_per_client))
 
 
-def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = ()) -> int:
+def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = (), backend=None) -> int:
     """Serve app until SIGTERM/SIGINT (returns 0) or until a process in watch exits (returns 1):
-    `serve --disaggregated` without its local worker would only answer 503."""
+    `serve --disaggregated` without its local worker would only answer 503. Likewise when the
+    in-process engine of backend stops after an error (a parallel worker died): exit 1."""
     import uvicorn
 
     limits = app.state.gateway.config.frontdoor
@@ -114,6 +115,15 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
 
     for role, proc in watch:
         threading.Thread(target=wait_for, args=(role, proc), daemon=True).start()
+
+    def engine_died(error: BaseException) -> None:
+        if not server.should_exit:
+            log.error("kvrelay serve: the engine stopped after an error; exiting: %s", error)
+            lost.append("engine")
+            server.should_exit = True
+
+    if backend is not None:
+        backend.on_dead = engine_died
     metrics_server = None
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -147,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         return run_disaggregated(args)
     backend = LocalBackend(EngineArgs.from_cli(args))
     gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
-    return run_app(create_app(gateway), args)
+    return run_app(create_app(gateway), args, backend=backend)
 
 
 def load_tenants(args: argparse.Namespace) -> TenantRegistry:
