@@ -105,29 +105,41 @@ class LLMEngine(HandoffMixin):
                 )
             self.max_model_len = args.max_model_len
 
-        if args.load_format == "dummy":
-            tensors = dummy_tensors(self.config, self.dtype, seed=args.dummy_seed)
-        elif args.load_format == "auto":
-            tensors = read_tensors(model_dir, self.config, self.dtype)
+        # --tensor/pipeline-parallel-size: worker processes hold the model and the KV cache; this
+        # process keeps the scheduler and the sampler (kvrelay.engine.parallel.executor).
+        self.executor = None
+        if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+            from kvrelay.engine.parallel.executor import start_executor
+
+            self.executor = start_executor(args, self.config, self.dtype, self.device, self.ops.backend,
+                                           self.max_model_len, kv_cache_storage, spec)
+            self.model, self.device = self.executor, torch.device("cpu")  # logits come back to the CPU
         else:
-            raise ValueError(f"load format must be 'auto' or 'dummy', got {args.load_format!r}")
-        weights = assemble(self.config, {k: v.to(self.device) for k, v in tensors.items()})
-        if args.quantization == "int8":
-            quantize_linears(weights, self.ops.quantize_int8)
-        elif args.quantization == "fp8":
-            if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
-                raise ValueError("--quantization fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, "
-                                 "Hopper or newer); use --quantization int8 on this GPU")
-            quantize_linears(weights, self.ops.quantize_fp8)
-        elif args.quantization is not None:
-            raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {args.quantization!r}")
-        pack_linears(weights, self.ops.prepack_linear)
-        build_model = architectures.get(self.config.architecture).build_model or DecoderModel
-        self.model = build_model(self.config, weights, self.ops, self.max_model_len)
+            if args.load_format == "dummy":
+                tensors = dummy_tensors(self.config, self.dtype, seed=args.dummy_seed)
+            elif args.load_format == "auto":
+                tensors = read_tensors(model_dir, self.config, self.dtype)
+            else:
+                raise ValueError(f"load format must be 'auto' or 'dummy', got {args.load_format!r}")
+            weights = assemble(self.config, {k: v.to(self.device) for k, v in tensors.items()})
+            if args.quantization == "int8":
+                quantize_linears(weights, self.ops.quantize_int8)
+            elif args.quantization == "fp8":
+                if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+                    raise ValueError("--quantization fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, "
+                                     "Hopper or newer); use --quantization int8 on this GPU")
+                quantize_linears(weights, self.ops.quantize_fp8)
+            elif args.quantization is not None:
+                raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {args.quantization!r}")
+            pack_linears(weights, self.ops.prepack_linear)
+            build_model = architectures.get(self.config.architecture).build_model or DecoderModel
+            self.model = build_model(self.config, weights, self.ops, self.max_model_len)
 
         cfg = self.config
         bs = args.block_size
         bytes_per_block = kv_bytes_per_block(cfg, self.dtype, bs)
+        if self.executor is not None:  # per rank: its heads and its stage's layers
+            bytes_per_block = self.executor.kv_bytes_per_block(bs)
         sizing_bytes = bytes_per_block  # per block id: the target's K/V, and the draft's
         draft = None
         if spec is not None and spec.method == "draft":  # its KV cache shares the target's block ids
@@ -142,6 +154,8 @@ class LLMEngine(HandoffMixin):
             num_blocks = args.num_kv_blocks
         elif args.kv_cache_memory is not None:
             num_blocks = args.kv_cache_memory // sizing_bytes
+        elif self.executor is not None:
+            num_blocks = self.executor.planned_blocks(sizing_bytes, CPU_KV_CACHE_BYTES)
         elif self.device.type == "cuda":
             plan = plan_kv_cache(
                 self.model, cfg, self.dtype, self.device, args.gpu_memory_utilization, bs,
@@ -158,7 +172,10 @@ class LLMEngine(HandoffMixin):
                 f"sequence of max_model_len {self.max_model_len}: raise --kv-cache-memory or lower --max-model-len"
             )
         shape = (cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-        if kv_cache_storage is not None:  # zeroed and committed by the storage already
+        if self.executor is not None:  # each rank holds its part; the driver only the block table
+            self.executor.allocate(num_blocks)
+            self.kv_cache = torch.zeros((*shape[:2], 0, *shape[3:]), dtype=self.dtype)
+        elif kv_cache_storage is not None:  # zeroed and committed by the storage already
             if self.device.type != "cpu":
                 raise ValueError("a KV cache in shared host memory needs --device cpu")
             self.kv_cache = kv_cache_storage(num_blocks * bytes_per_block).view(self.dtype).view(shape)
@@ -341,8 +358,15 @@ class LLMEngine(HandoffMixin):
             outputs.append(self._output(seq, [], seq.detok.take(final=True)))
         return outputs
 
+    def close(self) -> None:
+        """Stop the parallel worker processes (nothing to do in one process)."""
+        if self.executor is not None:
+            self.executor.close()
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._deferred)
+        # A dead parallel worker is work: the next step raises, so the engine fails at once.
+        failed = self.executor is not None and self.executor.failed is not None
+        return self.scheduler.has_work() or bool(self._deferred) or failed
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -369,6 +393,8 @@ class LLMEngine(HandoffMixin):
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.executor is not None:
+            self.executor.check()
         step = self.scheduler.schedule()
         if not step.seqs:
             return self._flush_deferred()

@@ -71,3 +71,21 @@ def test_serve_tp2_matches_one_process_and_exits_when_a_worker_dies(tmp_path):
         assert not any(_alive(w) for w in workers)  # no orphan
     finally:
         gw.stop()
+
+
+def test_disaggregated_tp2_on_both_sides_matches_one_process(tmp_path):
+    prompt = PROMPT + " liked to play in the park with her dog. One day, the dog ran"  # > 2 blocks of K/V
+    engine = LLMEngine(EngineArgs(kv_cache_memory=4 * 2**20))
+    engine.add_request(prompt, SamplingParams(max_tokens=16, temperature=0.0), "r")
+    want = ""
+    while engine.has_work():
+        want += "".join(o.text for o in engine.step())
+
+    gw = GatewayProcess(["--disaggregated", "--tensor-parallel-size", "2", "--kv-cache-memory", "4MiB"],
+                        tmp_path / "serve.log")
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        got = client.completions.create(model="stories260K", prompt=prompt, max_tokens=16, temperature=0)
+        assert got.choices[0].text == want
+    finally:
+        gw.stop()
