@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from kvrelay.engine.model_config import ModelConfig, rope_cos_sin_cache
-from kvrelay.engine.parallel.layers import gather_vocab_logits, vocab_parallel_embedding
-from kvrelay.engine.parallel.state import get_parallel_state, tp_all_reduce
+from kvrelay.engine.parallel.layers import all_reduce, gather_vocab_logits, vocab_parallel_embedding
+from kvrelay.engine.parallel.state import get_parallel_state
 from kvrelay.engine.rope import rope_cos_sin_table
 from kvrelay.engine.weights import Linear, ModelWeights
 from kvrelay.kernels.registry import KernelOps
@@ -85,7 +85,7 @@ class DecoderModel:
             out = self.ops.packed_linear(x, lin.packed, lin.bias)
         else:
             out = F.linear(x, lin.weight, lin.bias)
-        return tp_all_reduce(out) if lin.all_reduce else out
+        return all_reduce(out) if lin.all_reduce else out
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:

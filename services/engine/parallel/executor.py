@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
 import torch
@@ -46,6 +47,24 @@ class WorkerDiedError(EngineError):
     """A tensor/pipeline-parallel worker process exited or failed; the engine cannot continue."""
 
 
+@dataclass
+class StepStats:
+    """Totals over steps as TP rank 0 of the last stage saw them: its step time, and per kind of
+    communication (all_reduce, all_gather, send_recv) seconds and bytes."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    comm_s: dict[str, float] = field(default_factory=dict)
+    comm_bytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, step_s: float, comm: dict[str, tuple[float, int]]) -> None:
+        self.steps += 1
+        self.step_s += step_s
+        for kind, (sec, nbytes) in comm.items():
+            self.comm_s[kind] = self.comm_s.get(kind, 0.0) + sec
+            self.comm_bytes[kind] = self.comm_bytes.get(kind, 0) + nbytes
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,7 +85,7 @@ class MultiprocExecutor:
         # One conversation with the workers at a time: steps run on the engine thread, K/V
         # writes of a decode hand-off (gather/scatter) on others.
         self._lock = threading.Lock()
-        self.step_times: list[float] = []  # the last stage's step time, per step (metrics, benchmarks)
+        self.stats = StepStats()  # the last stage's TP rank 0: step and communication time
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.spec = WorkerSpec(
             **spec_args, tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
@@ -107,10 +126,8 @@ class MultiprocExecutor:
         with self._lock:
             self.check()
             self._broadcast(("step", batch_to_wire(batch)))
-            logits, step_s = self._recv(self.world_size - self.tp, "logits", None)
-        self.step_times.append(step_s)
-        if len(self.step_times) > 4096:
-            del self.step_times[:2048]
+            logits, step_s, comm = self._recv(self.world_size - self.tp, "logits", None)
+        self.stats.add(step_s, comm)
         return torch.from_numpy(logits)
 
     def gather_blocks(self, block_ids: list[int], layer_start: int, layer_end: int) -> torch.Tensor:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,37 @@ from kvrelay.engine.model_config import ModelConfig
 from kvrelay.engine.parallel.state import ParallelState, tp_all_reduce
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass
+class CommStats:
+    """Communication of this process since the last take(): seconds and bytes per kind
+    (all_reduce, all_gather, send_recv). On CUDA the seconds are launch time only (NCCL is
+    asynchronous); on CPU (gloo) they are the whole collective."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, x: torch.Tensor, started: float, count: int = 1) -> None:
+        """count tensors of x's size moved since started."""
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - started
+        self.nbytes[kind] = self.nbytes.get(kind, 0) + count * x.numel() * x.element_size()
+
+    def take(self) -> dict[str, tuple[float, int]]:
+        out = {k: (self.seconds[k], self.nbytes[k]) for k in self.seconds}
+        self.seconds, self.nbytes = {}, {}
+        return out
+
+
+COMM = CommStats()
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """tp_all_reduce, counted in COMM."""
+    started = time.perf_counter()
+    tp_all_reduce(x)
+    COMM.add("all_reduce", x, started)
+    return x
 
 
 def check_parallel(config: ModelConfig, tp: int, pp: int) -> None:
@@ -158,11 +190,13 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, state: Par
     outside = (local < 0) | (local >= rows)
     out = F.embedding(local.masked_fill(outside, 0), weight)
     out.masked_fill_(outside.unsqueeze(-1), 0)
-    return tp_all_reduce(out)
+    return all_reduce(out)
 
 
 def gather_vocab_logits(local: torch.Tensor, vocab_size: int, state: ParallelState) -> torch.Tensor:
     """[S, rows] per rank -> [S, vocab] on every rank (padding rows dropped)."""
     parts = [torch.empty_like(local) for _ in range(state.tp_size)]
+    started = time.perf_counter()
     dist.all_gather(parts, local.contiguous(), group=state.tp_group)
+    COMM.add("all_gather", local, started)
     return torch.cat(parts, dim=-1)[:, :vocab_size]

@@ -120,7 +120,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
 
 def _serve(rank: int, spec: WorkerSpec, conn) -> None:
     from kvrelay.engine.model import DecoderModel
-    from kvrelay.engine.parallel.layers import kv_head_range, stage_layers
+    from kvrelay.engine.parallel.layers import COMM, kv_head_range, stage_layers
     from kvrelay.engine.parallel.loader import load_rank_weights
     from kvrelay.engine.runner.memory import plan_kv_cache
     from kvrelay.engine.weights import pack_linears, quantize_linears
@@ -192,14 +192,19 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
                 shape = (batch.input_ids.shape[0], spec.config.hidden_size)
                 hidden = torch.empty(shape, dtype=spec.dtype, device=device)
                 residual = torch.empty_like(hidden)
+                t = time.perf_counter()  # includes waiting for the previous stage's layers
                 dist.recv(hidden, src=prev)
                 dist.recv(residual, src=prev)
+                COMM.add("send_recv", hidden, t, count=2)
             hidden, residual = model.run_layers(batch, kv_cache, hidden, residual)
             if not state.is_last_stage:
+                t = time.perf_counter()
                 dist.send(hidden.contiguous(), dst=nxt)
                 dist.send(residual.contiguous(), dst=nxt)
+                COMM.add("send_recv", hidden, t, count=2)
                 continue
             logits = model.compute_logits(batch, hidden, residual)
         if replies:
-            conn.send_bytes(encode(("logits", rank, (logits.cpu().numpy(), time.perf_counter() - started))))
+            elapsed = time.perf_counter() - started
+            conn.send_bytes(encode(("logits", rank, (logits.cpu().numpy(), elapsed, COMM.take()))))
     dist.destroy_process_group()
