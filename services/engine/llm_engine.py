@@ -218,7 +218,7 @@ class LLMEngine(HandoffMixin):
         log.info(
             "engine ready: %s (%s, %s) on %s, kernels %s, KV cache %d blocks of %d tokens (%.0f MiB), "
             "max_model_len %d", self.model_name, cfg.architecture, dtype_name, self.device, self.ops.backend,
-            num_blocks, bs, self.kv_cache.numel() * self.dtype.itemsize / 2**20, self.max_model_len,
+            num_blocks, bs, num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
 
     # ---- requests -----------------------------------------------------------------------------
