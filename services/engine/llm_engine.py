@@ -380,6 +380,7 @@ class LLMEngine(HandoffMixin):
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             **self._spec_stats(),
+            **(self.executor.stats.as_engine_stats() if self.executor is not None else {}),
         )
 
     def _spec_stats(self) -> dict:

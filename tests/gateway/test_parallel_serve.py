@@ -51,6 +51,12 @@ def test_serve_tp2_matches_one_process_and_exits_when_a_worker_dies(tmp_path):
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
         got = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=16, temperature=0)
         assert got.choices[0].text == want
+        import httpx
+
+        lines = httpx.get(gw.url + "/metrics", timeout=10).text.splitlines()
+        comm = {x.split(" ")[0]: float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("kvrelay:parallel_comm")}
+        assert comm['kvrelay:parallel_comm_bytes_total{kind="all_reduce"}'] > 0
+        assert comm['kvrelay:parallel_comm_seconds_total{kind="all_gather"}'] > 0
 
         workers = _worker_pids(gw.proc.pid)
         assert len(workers) == 2

@@ -57,6 +57,10 @@ class StepStats:
     comm_s: dict[str, float] = field(default_factory=dict)
     comm_bytes: dict[str, int] = field(default_factory=dict)
 
+    def as_engine_stats(self) -> dict:
+        return {"parallel_steps": self.steps, "parallel_step_seconds": self.step_s,
+                "parallel_comm_seconds": dict(self.comm_s), "parallel_comm_bytes": dict(self.comm_bytes)}
+
     def add(self, step_s: float, comm: dict[str, tuple[float, int]]) -> None:
         self.steps += 1
         self.step_s += step_s
