@@ -78,6 +78,9 @@ def test_stories_parallel_matches_one_process(stories_ref, tp, pp):
         ("qwen2", {"num_key_value_heads": 1}, 2, 1),  # qkv bias; one KV head replicated on both ranks
         ("qwen3", {"num_hidden_layers": 3}, 2, 2),  # q/k norm; 3 layers over 2 stages
         ("phi3", {}, 2, 1),  # q/k/v and gate/up fused in the checkpoint
+        # per-layer windows and rope bases split over stages; sandwich norms, soft-caps
+        ("gemma3", {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention",
+                                                            "sliding_attention"]}, 1, 2),
     ],
 )
 def test_random_tiny_models_match_transformers(tmp_path, arch, overrides, tp, pp):

@@ -305,6 +305,6 @@ def start_executor(args, config, dtype: torch.dtype, device: torch.device, kerne
          "kernel_backend": kernel_backend, "load_format": args.load_format, "dummy_seed": args.dummy_seed,
          "quantization": args.quantization, "max_model_len": max_model_len, "block_size": args.block_size,
          "gpu_memory_utilization": args.gpu_memory_utilization,
-         "max_num_batched_tokens": args.max_num_batched_tokens},
+         "max_num_batched_tokens": args.max_num_batched_tokens, "plugins": args.plugins},
         args.tensor_parallel_size, args.pipeline_parallel_size,
     )

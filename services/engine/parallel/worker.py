@@ -48,6 +48,7 @@ class WorkerSpec:
     # CUDA without a fixed KV size: the plan's inputs (each rank plans; the driver takes the minimum)
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048
+    plugins: str | None = None  # the driver's --plugins: architectures from installed packages
 
 
 def encode(obj) -> bytes:
@@ -126,6 +127,9 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
     from kvrelay.engine.weights import pack_linears, quantize_linears
     from kvrelay.kernels.registry import get_ops
 
+    from kvrelay.plugins import load_plugins
+
+    load_plugins(spec.plugins)  # the same architectures as the driver (spawn starts a fresh interpreter)
     tp, pp = spec.tensor_parallel_size, spec.pipeline_parallel_size
     world = tp * pp
     torch.set_num_threads(spec.threads)
