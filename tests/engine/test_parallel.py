@@ -72,6 +72,16 @@ def test_stories_parallel_matches_one_process(stories_ref, tp, pp):
     assert not any(p.is_alive() for p in engine.executor.procs)
 
 
+def test_int8_tp2_matches_int8_in_one_process():
+    # row-parallel shards are quantized with the whole rows' scales: the same int8 weights
+    ref = _run(make_engine(BUNDLED_MODEL, quantization="int8", **KV), PROMPTS[:2])
+    engine = make_engine(BUNDLED_MODEL, quantization="int8", tensor_parallel_size=2, **KV)
+    try:
+        _assert_same(ref, _run(engine, PROMPTS[:2]))
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize(
     "arch,overrides,tp,pp",
     [

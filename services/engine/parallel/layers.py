@@ -183,6 +183,24 @@ def cut(plan: ShardPlan, read, shape: tuple[int, ...]) -> torch.Tensor:
     return t
 
 
+def quantize_rank_linears(weights, quantize, state: ParallelState) -> None:
+    """Quantize this rank's projections with per-output-row scales equal to the whole model's:
+    a column-parallel shard holds whole rows; a row-parallel shard (o_proj, down) holds part of
+    each row, so the rows' absolute maxima are max-reduced over the TP group first and appended as
+    one extra column while quantizing (then dropped). The shards are then exactly slices of the
+    whole quantization, and TP output equals one process's."""
+    for layer in weights.layers:
+        for lin in (layer.qkv, layer.gate_up):
+            lin.weight, lin.scale = quantize(lin.weight)
+        for lin in (layer.o_proj, layer.down):
+            w = lin.weight
+            amax = w.abs().amax(dim=1, keepdim=True)
+            if state.tp_size > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=state.tp_group)
+            q, lin.scale = quantize(torch.cat([w, amax], dim=1))
+            lin.weight = q[:, :-1].contiguous()
+
+
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Each rank looks up the ids in its vocabulary rows (zeros elsewhere); the sum is the lookup."""
     rows = weight.shape[0]

@@ -121,10 +121,10 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
 
 def _serve(rank: int, spec: WorkerSpec, conn) -> None:
     from kvrelay.engine.model import DecoderModel
-    from kvrelay.engine.parallel.layers import COMM, kv_head_range, stage_layers
+    from kvrelay.engine.parallel.layers import COMM, kv_head_range, quantize_rank_linears, stage_layers
     from kvrelay.engine.parallel.loader import load_rank_weights
     from kvrelay.engine.runner.memory import plan_kv_cache
-    from kvrelay.engine.weights import pack_linears, quantize_linears
+    from kvrelay.engine.weights import pack_linears
     from kvrelay.kernels.registry import get_ops
 
     from kvrelay.plugins import load_plugins
@@ -149,10 +149,10 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
     ops = get_ops(spec.kernel_backend)
     weights, local = load_rank_weights(spec.model_dir, spec.config, state, spec.dtype, device, spec.load_format,
                                        spec.dummy_seed)
-    if spec.quantization == "int8":  # each rank quantizes its own slices (per output row)
-        quantize_linears(weights, ops.quantize_int8)
+    if spec.quantization == "int8":  # each rank its slices, with the whole rows' scales
+        quantize_rank_linears(weights, ops.quantize_int8, state)
     elif spec.quantization == "fp8":
-        quantize_linears(weights, ops.quantize_fp8)
+        quantize_rank_linears(weights, ops.quantize_fp8, state)
     pack_linears(weights, ops.prepack_linear)
     model = DecoderModel(local, weights, ops, spec.max_model_len, vocab_size=spec.config.vocab_size)
     planned = None
