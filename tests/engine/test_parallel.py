@@ -127,6 +127,35 @@ def test_killed_worker_fails_the_engine_without_hanging():
         engine.close()
 
 
+def test_workers_die_with_a_killed_driver():
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom kvrelay.engine.engine_args import EngineArgs\n"
+            "from kvrelay.engine.llm_engine import LLMEngine\n"
+            "e = LLMEngine(EngineArgs(tensor_parallel_size=2, kv_cache_memory=4 << 20))\n"
+            "print(*e.executor.pids, flush=True)\ntime.sleep(120)\n")
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        driver.kill()
+        driver.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_worker_error_at_load_is_reported_with_its_cause(tmp_path):
     model = save_tiny_model(tmp_path / "m", "llama")
     (model / "model.safetensors").write_bytes(b"not safetensors")

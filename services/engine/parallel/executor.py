@@ -101,7 +101,8 @@ class MultiprocExecutor:
         try:
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=worker_main, args=(rank, self.spec, child), daemon=True,
+                main = threading.current_thread() is threading.main_thread()
+                proc = ctx.Process(target=worker_main, args=(rank, self.spec, child, main), daemon=True,
                                    name=f"kvrelay-worker-tp{rank % self.tp}-pp{rank // self.tp}")
                 proc.start()
                 child.close()

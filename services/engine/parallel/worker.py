@@ -16,6 +16,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -82,13 +83,23 @@ def tensor_from_wire(wire: tuple) -> torch.Tensor:
     return torch.from_numpy(data).view(getattr(torch, dtype)).view(shape)
 
 
-def _die_with_parent() -> None:
-    """The kernel kills this worker when the driver dies (even by SIGKILL): no orphans."""
-    if sys.platform.startswith("linux"):
+def _die_with_parent(use_signal: bool) -> None:
+    """No orphans: this worker exits when the driver dies, even by SIGKILL. The kernel's parent-death
+    signal is immediate, but it fires when the *thread* that started the worker exits, so it is
+    used only when that was the driver's main thread; a poll of the parent pid covers the rest."""
+    if use_signal and sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvrelay-parent-watch", daemon=True).start()
 
 
 def _groups(tp: int, pp: int, rank: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
@@ -105,8 +116,8 @@ def _groups(tp: int, pp: int, rank: int) -> tuple[dist.ProcessGroup | None, dist
     return tp_group, pp_group
 
 
-def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
-    _die_with_parent()
+def worker_main(rank: int, spec: WorkerSpec, conn, from_main_thread: bool = True) -> None:
+    _die_with_parent(from_main_thread)
     try:
         _serve(rank, spec, conn)
     except (EOFError, BrokenPipeError):  # the driver closed the pipe: it is gone or shutting down
