@@ -42,8 +42,8 @@ class EngineArgs:
     num_speculative_tokens: int = 4  # K: proposed tokens per sequence and step
     ngram_min: int = 2  # a single-token match proposes mostly noise
     ngram_max: int = 4
-    speculative_disable_batch_size: int = 32
-    speculative_adaptive: bool = True  # measure, per batch size, whether speculating is faster  # no speculation in steps with more running sequences
+    speculative_disable_batch_size: int = 32  # no speculation in steps with more running sequences
+    speculative_adaptive: bool = True  # measure, per batch size, whether speculating is faster
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

@@ -1,4 +1,4 @@
-"""`kvrelay serve`: the gateway and an in-process engine in one process (the README's command).
+"""`kvrelay serve`: the gateway, and the engine in a process of its own (the README's command).
 
 By default: the bundled model, an open `default` tenant, in-memory quotas. `--tenants FILE`
 turns on API keys and quotas; `--redis-url` shares quotas between several such processes.
@@ -132,6 +132,8 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
                                               registry=app.state.gateway.metrics.registry)
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it already handled: a clean stop
+        pass
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
@@ -142,6 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_gateway_arguments(parser)
     parser.add_argument("--disaggregated", action="store_true",
                         help="run one prefill and one decode worker process locally and route through them")
+    parser.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine's step loop in the API process instead of a process of its own "
+                             "(they then share one GIL: higher added latency; for debugging)")
     parser.add_argument("--kv-shm-bytes", type=parse_bytes, default=0,
                         help="with --disaggregated: hand K/V over through a shared-memory arena of this size in "
                              "/dev/shm (e.g. 256MiB) instead of inline on gRPC; 0: off")
@@ -155,9 +160,20 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.disaggregated:
         return run_disaggregated(args)
-    backend = LocalBackend(EngineArgs.from_cli(args))
-    gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
-    return run_app(create_app(gateway), args, backend=backend)
+    engine_args = EngineArgs.from_cli(args)
+    if args.engine_in_process:
+        backend = LocalBackend(engine_args)
+        gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
+        return run_app(create_app(gateway), args, backend=backend)
+    from kvrelay.engine.core.client import EngineProcess
+
+    tenants = load_tenants(args)  # its errors first, before a model loads
+    process = EngineProcess.start(engine_args, args.log_level)
+    try:
+        gateway = Gateway(LocalBackend(engine_args, process), tenants, build_quota(args), gateway_config(args))
+        return run_app(create_app(gateway), args, [("engine", process)])
+    finally:
+        process.stop()
 
 
 def load_tenants(args: argparse.Namespace) -> TenantRegistry:

@@ -18,13 +18,16 @@ PROMPT = "Once upon a time, there was a little girl named Lily. She"
 
 
 def _worker_pids(pid: int) -> list[int]:
-    """The server's spawned worker processes (not multiprocessing's resource tracker)."""
+    """The spawned parallel workers among pid's descendants (the engine-core process's children,
+    or serve's own with --engine-in-process), not multiprocessing's resource tracker."""
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
             cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
             if b"spawn_main" in cmd:
                 out.append(int(child))
+            else:
+                out += _worker_pids(int(child))
     return sorted(out)
 
 
@@ -35,7 +38,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_serve_tp2_matches_one_process_and_exits_when_a_worker_dies(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--engine-in-process"]], ids=["engine_process", "in_process"])
+def test_serve_tp2_matches_one_process_and_exits_when_a_worker_dies(tmp_path, mode):
     import os
     import signal
 
@@ -45,7 +49,7 @@ def test_serve_tp2_matches_one_process_and_exits_when_a_worker_dies(tmp_path):
     while engine.has_work():
         want += "".join(o.text for o in engine.step())
 
-    gw = GatewayProcess(["--tensor-parallel-size", "2", "--kv-cache-memory", "4MiB"], tmp_path / "serve.log")
+    gw = GatewayProcess(["--tensor-parallel-size", "2", "--kv-cache-memory", "4MiB", *mode], tmp_path / "serve.log")
     try:
         gw.wait_healthy(timeout=120)
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
