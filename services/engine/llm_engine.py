@@ -15,15 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from kvrelay.engine import architectures, logits_processors
+from kvrelay.engine import logits_processors
 from kvrelay.engine.block_pool import BlockPool, cache_root
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from kvrelay.engine.handoff import HandoffMixin
 from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
-from kvrelay.engine.model import DecoderModel
 from kvrelay.engine.model_config import load_model_config, parse_dtype
+from kvrelay.engine.model_loader import load_model
 from kvrelay.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from kvrelay.engine.runner.cuda_graphs import bucket_sizes
 from kvrelay.engine.runner.memory import plan_kv_cache
@@ -36,7 +36,6 @@ from kvrelay.engine.spec_decode.draft import DraftModel, kv_bytes_per_block, loa
 from kvrelay.engine.spec_decode.speculator import SpecConfig, Speculator, check_config
 from kvrelay.engine.spec_decode.verify import verify
 from kvrelay.engine.tokenizer import Tokenizer
-from kvrelay.engine.weights import assemble, dummy_tensors, pack_linears, quantize_linears, read_tensors
 from kvrelay.kernels.registry import cpu_backend, get_ops
 
 from kvrelay.plugins import load_plugins
@@ -115,25 +114,8 @@ class LLMEngine(HandoffMixin):
                                            self.max_model_len, kv_cache_storage, spec)
             self.model, self.device = self.executor, torch.device("cpu")  # logits come back to the CPU
         else:
-            if args.load_format == "dummy":
-                tensors = dummy_tensors(self.config, self.dtype, seed=args.dummy_seed)
-            elif args.load_format == "auto":
-                tensors = read_tensors(model_dir, self.config, self.dtype)
-            else:
-                raise ValueError(f"load format must be 'auto' or 'dummy', got {args.load_format!r}")
-            weights = assemble(self.config, {k: v.to(self.device) for k, v in tensors.items()})
-            if args.quantization == "int8":
-                quantize_linears(weights, self.ops.quantize_int8)
-            elif args.quantization == "fp8":
-                if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
-                    raise ValueError("--quantization fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, "
-                                     "Hopper or newer); use --quantization int8 on this GPU")
-                quantize_linears(weights, self.ops.quantize_fp8)
-            elif args.quantization is not None:
-                raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {args.quantization!r}")
-            pack_linears(weights, self.ops.prepack_linear)
-            build_model = architectures.get(self.config.architecture).build_model or DecoderModel
-            self.model = build_model(self.config, weights, self.ops, self.max_model_len)
+            self.model = load_model(args, model_dir, self.config, self.dtype, self.device, self.ops,
+                                    self.max_model_len)
 
         cfg = self.config
         bs = args.block_size
