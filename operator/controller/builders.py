@@ -115,6 +115,11 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
                 "--served-model-name", spec.model.name, "--dtype", spec.model.dtype]
         if spec.model.quantization != "none":
             args += ["--quantization", spec.model.quantization]
+        par = spec.role(role).parallelism
+        if par.tensor > 1:
+            args += ["--tensor-parallel-size", str(par.tensor)]
+        if par.pipeline > 1:
+            args += ["--pipeline-parallel-size", str(par.pipeline)]
         if role == "decode" and spec.shared_memory.enabled:
             args += ["--kv-shm-bytes", str(spec.shared_memory.size_bytes), "--kv-shm-dir", c.KV_SHM_MOUNT_DIR]
         if role == "prefill" and spec.shared_memory.enabled and spec.shared_memory.prefill_cache:
@@ -220,6 +225,10 @@ def build_deployment(
     }
     if rs.resources:
         container["resources"] = normalized_resources(rs.resources)
+    if rs.parallelism.gpus > 1:  # one GPU per tensor/pipeline rank, all in this pod
+        res = container.setdefault("resources", {})
+        for kind in ("requests", "limits"):
+            res.setdefault(kind, {})["nvidia.com/gpu"] = str(rs.parallelism.gpus)
     pod_spec: dict[str, Any] = {"containers": [container]}
     if role == "gateway" and spec.tenants_secret:
         container["volumeMounts"] = [{"name": "tenants", "mountPath": c.TENANTS_MOUNT_DIR, "readOnly": True}]

@@ -29,6 +29,20 @@ class InvalidSpec(ValueError):
 
 
 @dataclass(frozen=True)
+class ParallelismSpec:
+    """A worker pod's engine split over its GPUs: --tensor-parallel-size x --pipeline-parallel-size
+    worker processes, one GPU each."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    gpus_per_node: int | None = None  # None: not checked
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.pipeline
+
+
+@dataclass(frozen=True)
 class RoleSpec:
     replicas: int = 1
     min_replicas: int = 1
@@ -39,6 +53,7 @@ class RoleSpec:
     image: str | None = None
     args: list[str] = field(default_factory=list)
     env: list[dict[str, Any]] = field(default_factory=list)
+    parallelism: ParallelismSpec = ParallelismSpec()
 
     @property
     def autoscaled(self) -> bool:
@@ -150,6 +165,27 @@ def _list(src: Mapping[str, Any], key: str, path: str) -> list[Any]:
     return list(value)
 
 
+def _parallelism(value: Any, path: str, resources: Mapping[str, Any]) -> ParallelismSpec:
+    src = _obj(value, path)
+    if not src:
+        return ParallelismSpec()
+    if path.startswith("spec.gateway"):
+        raise InvalidSpec(f"{path}: only the prefill and decode roles run a model")
+    gpn = src.get("gpusPerNode")
+    par = ParallelismSpec(tensor=_int(src, "tensor", path, 1, minimum=1),
+                          pipeline=_int(src, "pipeline", path, 1, minimum=1),
+                          gpus_per_node=None if gpn is None else _int(src, "gpusPerNode", path, 1, minimum=1))
+    if par.gpus_per_node is not None and par.gpus > par.gpus_per_node:
+        raise InvalidSpec(f"{path}: tensor x pipeline = {par.gpus} GPUs exceeds gpusPerNode {par.gpus_per_node}; "
+                          f"ranks across nodes (LeaderWorkerSet) are not implemented in this release")
+    for kind in ("requests", "limits"):
+        asked = _obj(resources.get(kind), f"{path}.resources.{kind}").get("nvidia.com/gpu")
+        if par.gpus > 1 and asked is not None and str(asked) != str(par.gpus):
+            raise InvalidSpec(f"{path}: tensor x pipeline = {par.gpus} GPUs, but resources.{kind} asks for "
+                              f"nvidia.com/gpu {asked}; drop it (the operator sets it) or make them equal")
+    return par
+
+
 def _role(value: Any, path: str) -> RoleSpec:
     src = _obj(value, path)
     role = RoleSpec(
@@ -162,6 +198,8 @@ def _role(value: Any, path: str) -> RoleSpec:
         image=src.get("image") or None,
         args=[str(a) for a in _list(src, "args", path)],
         env=_list(src, "env", path),
+        parallelism=_parallelism(src.get("parallelism"), f"{path}.parallelism",
+                                 _obj(src.get("resources"), f"{path}.resources")),
     )
     if role.min_replicas > role.max_replicas:
         raise InvalidSpec(

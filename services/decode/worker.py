@@ -246,6 +246,10 @@ def _write_blocks(llm, rid: str, block_ids: list[int], batch: list[ReceivedChunk
         ids = torch.tensor(block_ids, dtype=torch.long, device=llm.device)
         for chunk in batch:
             r = chunk.range
+            if llm.executor is not None:  # tensor/pipeline parallel: each rank writes its heads and layers
+                llm.executor.scatter_blocks(block_ids[r.block_start:r.block_end], chunk.checked_tensor(),
+                                            r.layer_start, r.layer_end)
+                continue
             if isinstance(chunk, DirectChunk):  # from the prefill worker's shared cache, checked after
                 chunk.copy_into(llm.kv_cache, block_ids[r.block_start:r.block_end])
                 continue

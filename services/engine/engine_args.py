@@ -52,6 +52,8 @@ class EngineArgs:
     kernel_backend: str = "auto"  # auto | torch | native | triton
     device: str = "auto"  # auto | cpu | cuda
     dummy_seed: int = 0  # random weights of --load-format dummy
+    tensor_parallel_size: int = 1  # worker processes splitting each layer (kvrelay.engine.parallel)
+    pipeline_parallel_size: int = 1  # worker processes holding contiguous layer stages
     plugins: str | None = None  # "a,b": load only these plugins (default: $KVRELAY_PLUGINS, else all)
 
     @staticmethod
@@ -128,6 +130,14 @@ class EngineArgs:
         )
         parser.add_argument(
             "--dummy-seed", type=int, default=d.dummy_seed, help="seed of --load-format dummy weights"
+        )
+        parser.add_argument(
+            "--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+            help="split every layer over this many worker processes, one per GPU (gloo on CPU, NCCL on CUDA)",
+        )
+        parser.add_argument(
+            "--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
+            help="split the layers into this many contiguous stages, each on its own tensor-parallel group",
         )
         parser.add_argument(
             "--plugins", default=None,

@@ -25,6 +25,7 @@ class Linear:
     bias: torch.Tensor | None = None
     scale: torch.Tensor | None = None  # set when weight is int8 or float8_e4m3fn
     packed: PackedWeight | None = None
+    all_reduce: bool = False  # row-parallel (tensor parallel): the output is a partial sum over ranks
 
 
 @dataclass

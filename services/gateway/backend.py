@@ -24,6 +24,7 @@ Implementations:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -71,6 +72,7 @@ class LocalBackend:
         self.process = process  # kvrelay.engine.core.client.EngineProcess, or None: in this process
         self.engine = None
         self._started = False
+        self.on_dead = None  # fn(error), called once if the engine's step loop crashes (serve exits)
 
     async def start(self) -> None:
         if self.process is not None:
@@ -84,6 +86,13 @@ class LocalBackend:
             self.engine = AsyncEngine(self.engine_args)
         await self.engine.start()
         self._started = True
+        if self.process is None:  # an engine-core process is watched as a process by serve
+            self._dead_watch = asyncio.create_task(self._watch_dead())
+
+    async def _watch_dead(self) -> None:
+        error = await self.engine.wait_dead()
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     @property
     def model_name(self) -> str:

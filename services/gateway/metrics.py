@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvrelay.kvtransfer.metrics import spec_decode_metrics
+from kvrelay.kvtransfer.metrics import parallel_metrics, spec_decode_metrics
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -58,6 +58,7 @@ class _EngineCounters:
         s = self._stats()
         if s is not None:
             yield from spec_decode_metrics(s)
+            yield from parallel_metrics(s)
 
 
 class GatewayMetrics:

@@ -94,9 +94,10 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                                                    args.max_connections_per_client))
 
 
-def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = ()) -> int:
+def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = (), backend=None) -> int:
     """Serve app until SIGTERM/SIGINT (returns 0) or until a process in watch exits (returns 1):
-    `serve --disaggregated` without its local worker would only answer 503."""
+    `serve --disaggregated` without its local worker would only answer 503. Likewise when the
+    in-process engine of backend stops after an error (a parallel worker died): exit 1."""
     import uvicorn
 
     limits = app.state.gateway.config.frontdoor
@@ -114,6 +115,15 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
 
     for role, proc in watch:
         threading.Thread(target=wait_for, args=(role, proc), daemon=True).start()
+
+    def engine_died(error: BaseException) -> None:
+        if not server.should_exit:
+            log.error("kvrelay serve: the engine stopped after an error; exiting: %s", error)
+            lost.append("engine")
+            server.should_exit = True
+
+    if backend is not None:
+        backend.on_dead = engine_died
     metrics_server = None
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -154,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engine_in_process:
         backend = LocalBackend(engine_args)
         gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
-        return run_app(create_app(gateway), args)
+        return run_app(create_app(gateway), args, backend=backend)
     from kvrelay.engine.core.client import EngineProcess
 
     tenants = load_tenants(args)  # its errors first, before a model loads
@@ -181,6 +191,8 @@ def start_worker(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen,
         cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.served_model_name:
         cmd += ["--served-model-name", args.served_model_name]
+    cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size),
+            "--pipeline-parallel-size", str(args.pipeline_parallel_size)]
     if role == "decode":
         cmd += ["--kv-shm-bytes", str(args.kv_shm_bytes)]
     elif args.kv_shared_cache and args.kv_shm_bytes:

@@ -37,6 +37,27 @@ class EngineStatsCollector:
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield from spec_decode_metrics(s)
+        yield from parallel_metrics(s)
+
+
+def parallel_metrics(s):
+    """Tensor/pipeline parallel step and communication totals (only when the engine runs ranks)."""
+    if not s.parallel_steps:
+        return
+    yield CounterMetricFamily("kvrelay:parallel_steps", "Steps run by the parallel worker processes.",
+                              value=s.parallel_steps)
+    yield CounterMetricFamily("kvrelay:parallel_step_seconds", "Step time of TP rank 0 of the last pipeline stage.",
+                              value=s.parallel_step_seconds)
+    seconds = CounterMetricFamily("kvrelay:parallel_comm_seconds",
+                                  "Communication time of TP rank 0 of the last stage, by kind (all_reduce, "
+                                  "all_gather, send_recv; on CUDA launch time only).", labels=["kind"])
+    nbytes = CounterMetricFamily("kvrelay:parallel_comm_bytes", "Bytes communicated by TP rank 0 of the last "
+                                 "stage, by kind.", labels=["kind"])
+    for kind in sorted(s.parallel_comm_seconds):
+        seconds.add_metric([kind], s.parallel_comm_seconds[kind])
+        nbytes.add_metric([kind], s.parallel_comm_bytes.get(kind, 0))
+    yield seconds
+    yield nbytes
 
 
 def spec_decode_metrics(s):

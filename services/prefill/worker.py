@@ -443,7 +443,10 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
 
     def _gather(self, h: _Handoff, block_table: list[int], lo: int, hi: int) -> list[tuple[ChunkRange, Payload]]:
         ranges = plan_chunks(self.layout, lo, hi, h.num_blocks, h.max_message_bytes, h.first_block)
-        if self.llm.device.type == "cpu":
+        if self.llm.executor is not None:  # tensor/pipeline parallel: every rank sends its heads and layers
+            out = [(r, self.llm.executor.gather_blocks(block_table[r.block_start:r.block_end], r.layer_start,
+                                                      r.layer_end)) for r in ranges]
+        elif self.llm.device.type == "cpu":
             # Views of the held blocks: encoding joins them straight into the message, so the
             # sender's CPU (the hand-off's bottleneck on one core) skips a gather copy and the
             # engine thread no longer spends ~0.5 ms per 4 MiB chunk gathering.

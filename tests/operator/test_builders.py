@@ -186,3 +186,28 @@ def test_names_too_long_for_child_services_are_invalid():
     check_name("a" * 55)
     with pytest.raises(InvalidSpec, match="at most 55"):
         check_name("a" * 56)
+
+
+def test_parallelism_sets_the_worker_flags_and_one_gpu_per_rank():
+    objs = children({"model": {"uri": "/m"}, "decode": {"parallelism": {"tensor": 2, "pipeline": 2}},
+                     "prefill": {"parallelism": {"tensor": 2}, "resources": {"limits": {"cpu": "4"}}}})
+    decode = pod(objs, "decode")["containers"][0]
+    assert decode["args"][-4:] == ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]
+    assert decode["resources"] == {"requests": {"nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}
+    prefill = pod(objs, "prefill")["containers"][0]
+    assert "--pipeline-parallel-size" not in prefill["args"] and prefill["args"][-2:] == ["--tensor-parallel-size", "2"]
+    assert prefill["resources"]["limits"] == {"cpu": "4", "nvidia.com/gpu": "2"}
+    assert "resources" not in pod(objs, "gateway")["containers"][0]
+
+
+@pytest.mark.parametrize("role, par, message", [
+    ("decode", {"tensor": 4, "pipeline": 2, "gpusPerNode": 4}, "tensor x pipeline = 8 GPUs exceeds gpusPerNode 4"),
+    ("decode", {"tensor": 0}, "spec.decode.parallelism.tensor must be >= 1"),
+    ("gateway", {"tensor": 2}, "only the prefill and decode roles run a model"),
+])
+def test_parallelism_that_cannot_be_served_is_invalid(role, par, message):
+    with pytest.raises(InvalidSpec, match=message):
+        parse_spec({"model": {"uri": "/m"}, role: {"parallelism": par}}, "x")
+    with pytest.raises(InvalidSpec, match="asks for nvidia.com/gpu 1"):
+        parse_spec({"model": {"uri": "/m"}, "decode": {"parallelism": {"tensor": 2},
+                                                        "resources": {"limits": {"nvidia.com/gpu": 1}}}}, "x")

@@ -114,3 +114,13 @@ def test_shared_memory_sizes_are_quantities_and_defaults_match_the_crd(size, wan
 def test_unknown_field_is_reported_by_the_schema():
     body = dict(EXAMPLE, spec=dict(EXAMPLE["spec"], prefil={"replicas": 1}))
     assert any("prefil: unknown field" in e for e in validate(body, SCHEMA))
+
+
+def test_parallelism_is_in_the_schema_with_the_operators_defaults():
+    body = {"model": {"uri": "/m"}, "decode": {"parallelism": {"tensor": 2}}, "prefill": {"parallelism": {}}}
+    assert validate({"apiVersion": "kvrelay.dev/v1alpha1", "kind": c.KIND, "metadata": {}, "spec": body}, SCHEMA) == []
+    raw = parse_spec(body, "x")
+    assert raw == parse_spec(apply_defaults(body, SCHEMA["properties"]["spec"]), "x")
+    assert (raw.decode.parallelism.tensor, raw.decode.parallelism.pipeline, raw.prefill.parallelism.gpus) == (2, 1, 1)
+    bad = {"model": {"uri": "/m"}, "decode": {"parallelism": {"tensor": 0}}}
+    assert validate({"apiVersion": "kvrelay.dev/v1alpha1", "kind": c.KIND, "metadata": {}, "spec": bad}, SCHEMA)
