@@ -41,7 +41,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     dump = num_blocks * block_m  # one spare slot takes the dropped ids' writes
-    starts = torch.cat([ends - padded, torch.tensor([dump], dtype=torch.int64, device=device)])
+    starts = torch.cat([ends - padded, torch.full((1,), dump, dtype=torch.int64, device=device)])  # no H2D copy
     order = torch.argsort(bucket, stable=True)
     sorted_bucket = bucket.index_select(0, order)
     first = torch.cumsum(counts, 0) - counts

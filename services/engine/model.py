@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from kvrelay.engine.model_config import ModelConfig, rope_cos_sin_cache
 from kvrelay.engine.rope import rope_cos_sin_table
-from kvrelay.engine.weights import Linear, ModelWeights
+from kvrelay.engine.weights import LayerWeights, Linear, ModelWeights
 from kvrelay.kernels.registry import KernelOps
 
 
@@ -74,6 +74,10 @@ class DecoderModel:
             return self.ops.packed_linear(x, lin.packed, lin.bias)
         return F.linear(x, lin.weight, lin.bias)
 
+    def mlp(self, layer_idx: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward block: the gated MLP (MoE models override it, kvrelay.engine.moe_layer)."""
+        return self._linear(self.act(self._linear(x, lw.gate_up)), lw.down)
+
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Runs the step, writing new K/V into kv_cache; returns fp32 logits [S, vocab]."""
@@ -130,11 +134,10 @@ class DecoderModel:
             if cfg.sandwich_norms:
                 hidden = ops.rms_norm(hidden, lw.post_norm, eps)
                 x, residual = ops.fused_add_rms_norm(hidden, residual, lw.pre_ffn_norm, eps)
-                hidden = ops.rms_norm(self._linear(self.act(self._linear(x, lw.gate_up)), lw.down),
-                                      lw.post_ffn_norm, eps)
+                hidden = ops.rms_norm(self.mlp(layer_idx, lw, x), lw.post_ffn_norm, eps)
             else:
                 x, residual = ops.fused_add_rms_norm(hidden, residual, lw.post_norm, eps)
-                hidden = self._linear(self.act(self._linear(x, lw.gate_up)), lw.down)
+                hidden = self.mlp(layer_idx, lw, x)
         hidden = hidden.index_select(0, batch.logits_indices)
         residual = residual.index_select(0, batch.logits_indices)
         x, _ = ops.fused_add_rms_norm(hidden, residual, self.w.norm, eps)
