@@ -10,6 +10,7 @@ import torch
 
 from kvrelay.models import BUNDLED_MODEL
 
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -60,6 +61,13 @@ def save_tiny_model(path: Path, arch: str, **overrides) -> Path:
     config = config_cls(**kwargs)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch in MOE_ARCHS:
+        # Routers at init 1.0 give logits of std ~8: top-k picks among experts of probability ~1e-8
+        # whose order float rounding decides. Smaller routers make every picked weight count.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                    param.mul_(0.1)
     model.save_pretrained(path)
     for name in TOKENIZER_FILES:
         shutil.copy(BUNDLED_MODEL / name, path / name)
