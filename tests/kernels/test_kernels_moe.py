@@ -121,3 +121,37 @@ def test_mismatched_shapes_are_named():
         moe_reference.fused_moe(torch.zeros(3, 16), w13, w2, weights, ids)
     with pytest.raises(ValueError, match=r"w2 must be \[4, 32, 16\]"):
         fused_moe(torch.zeros(3, 32), w13, w2[:, :, :8], weights, ids)
+
+
+def test_engine_on_a_tiny_mixtral_triton_matches_torch(tmp_path):
+    import shutil
+
+    import transformers
+    from kvrelay.engine.engine_args import EngineArgs
+    from kvrelay.engine.llm_engine import LLMEngine
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    from kvrelay.models import BUNDLED_MODEL
+
+    config = transformers.MixtralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, initializer_range=0.2,
+        bos_token_id=1, eos_token_id=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED_MODEL / name, tmp_path / name)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        engine = LLMEngine(EngineArgs(model=str(tmp_path), kernel_backend=backend, device="cpu",
+                                      num_kv_blocks=32, max_num_batched_tokens=8))
+        for i, prompt in enumerate(["Once upon a time, there was a dog", "The cat"]):
+            engine.add_request(prompt, params, request_id=str(i))
+        out: dict[str, list[int]] = {}
+        while engine.has_work():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        tokens[backend] = out
+    assert all(len(t) == 6 for t in tokens["torch"].values())
+    assert tokens["triton"] == tokens["torch"]
