@@ -17,8 +17,9 @@ from tiny_models import save_tiny_model
 
 MODELS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 # 16 distinct prompts for one batch: the six stories, each with a different tail.
-BATCH16 = [f"{PROMPTS[i % len(PROMPTS)]} {tail}" for i, tail in
-           enumerate("and then she said the dog ran home with a big red ball to the".split()[:16])]
+TAILS = ["and", "then", "she", "said", "the", "dog", "ran", "home", "with", "a", "big", "red", "ball", "to", "the",
+         "sun"]
+BATCH16 = [f"{PROMPTS[i % len(PROMPTS)]} {tail}" for i, tail in enumerate(TAILS)]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,7 @@ def test_greedy_matches_transformers_batch_1_and_16(models, name):
     engine = make_engine(models[name])
     for p in PROMPTS[:3]:  # one sequence at a time
         _check(engine, models[name], [p], 24)
+    assert len(BATCH16) == 16
     _check(engine, models[name], BATCH16, 16)  # sixteen in one batch
     assert engine.config.architecture == json.loads((models[name] / "config.json").read_text())["architectures"][0]
 
