@@ -355,6 +355,7 @@ class LLMEngine(HandoffMixin):
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            expert_load=getattr(self.model, "expert_load", None),
             **self._spec_stats(),
         )
 

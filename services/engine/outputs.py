@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -62,6 +64,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # Mixture-of-experts models: a callable returning kvrelay.engine.moe_layer.ExpertLoad, read at
+    # scrape time only (on GPU it copies the device counters back). None for a dense model.
+    expert_load: Callable[[], Any] | None = None
 
     @property
     def kv_usage(self) -> float:

@@ -132,3 +132,18 @@ def test_expert_count_not_divisible_by_the_ep_size_is_one_clear_error(models):
             make_engine(models["mixtral"])
     finally:
         set_parallel_state(saved)
+
+
+def test_expert_load_is_exported_as_prometheus_metrics(models):
+    from kvrelay.kvtransfer.metrics import WorkerMetrics
+    from prometheus_client import generate_latest
+
+    engine = make_engine(models["mixtral"])
+    run_engine(engine, {"a": (PROMPTS[1], greedy(3))})
+    text = generate_latest(WorkerMetrics(engine).registry).decode()
+    load = engine.model.expert_load()
+    for e, n in enumerate(load.total):
+        assert f'kvrelay:moe_expert_tokens_total{{expert="{e}"}} {float(n)}' in text
+    assert sum(load.last_step) == 1 * 2 * 2  # one decode token, top-2, two sparse layers
+    assert f'kvrelay:moe_expert_load_imbalance{{window="total"}} {load.total_imbalance}' in text
+    assert 'kvrelay:moe_expert_tokens_last_step{expert="0"}' in text
