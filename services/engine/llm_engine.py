@@ -173,6 +173,8 @@ class LLMEngine(HandoffMixin):
                                   args.max_num_batched_tokens)
         if use_graphs:
             self.runner.capture_graphs()
+        if hasattr(self.model, "reset_expert_load"):  # MoE: drop the planner's and graph warm-ups' counts
+            self.model.reset_expert_load()
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs,

@@ -53,6 +53,9 @@ class MoEDecoderModel(DecoderModel):
         for n, sparse in enumerate(moe.sparse_layers):
             if sparse:
                 self.sparse_index[n] = len(self.sparse_index)
+        for lw in weights.layers:  # routing is fp32: convert the routers once, not every step
+            if lw.moe is not None:
+                lw.moe.router = lw.moe.router.float()
         device = weights.embed.device
         # In-place device counters: no host read per step (CUDA graphs replay the adds).
         self.step_tokens = torch.zeros((len(self.sparse_index), moe.num_experts), dtype=torch.int64, device=device)
@@ -81,6 +84,11 @@ class MoEDecoderModel(DecoderModel):
             shared = self._linear(self.act(self._linear(x, m.shared_gate_up)), m.shared_down)
             out = out + torch.sigmoid(F.linear(x, m.shared_gate)) * shared
         return out
+
+    def reset_expert_load(self) -> None:
+        """Zero the counters in place (captured CUDA graphs keep adding into the same buffers)."""
+        for t in (self.step_tokens, self.total_tokens, self.steps):
+            t.zero_()
 
     def expert_load(self) -> ExpertLoad:
         """The load counters, read from the device (on demand only: a host sync)."""
