@@ -14,7 +14,9 @@ Runs on a bare GPU machine with torch, triton and transformers: kvrelay is mappe
   same weights;
 - kernels: decode attention (with a split-count sweep at batch 1), prefill attention against SDPA,
   int8 W8A16 and FP8 W8A8 (torch._scaled_mm, rowwise scales) against bf16 F.linear;
-- spec: speculative decoding on the 1B shapes (benchmarks/gpu_spec.py).
+- spec: speculative decoding on the 1B shapes (benchmarks/gpu_spec.py);
+- moe: a Mixtral-shaped model (8 experts, top-2) with graphs, eager and the torch MoE reference
+  (benchmarks/gpu_moe.py).
 Each section reports its own failure and the run goes on; the summary comes last. With $OUT set, the
 figures also go to $OUT/gpu_engine.json.
 """
@@ -33,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_word_tokenizer
+from gpu_moe import section_moe
 from gpu_spec import section_spec
 from package_map import ROOT, map_kvrelay
 
@@ -405,7 +408,7 @@ def section_linear_kernel_only(rep: Report, ops) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: every section runs, no timing")
-    p.add_argument("--only", default="parity,step,throughput,fp8,spec,kernels")
+    p.add_argument("--only", default="parity,step,throughput,fp8,spec,moe,kernels")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline (~25 s on an H200)")
     args = p.parse_args(argv)
@@ -469,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
             if "spec" in sections:
                 spec_kw = {k: v for k, v in kw.items() if k != "max_num_seqs"}
                 run("spec", section_spec, rep, model_dir, vocab, device, smoke, spec_kw)
+    if "moe" in sections:
+        run("moe", section_moe, rep, device, smoke)
     if "kernels" in sections:
         run("kernels", section_kernels, rep, smoke)
 
