@@ -40,7 +40,7 @@ def _by_definition(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "t,e,k,h,i", [(1, 4, 1, 32, 48), (7, 8, 2, 40, 24), (37, 8, 2, 64, 96), (9, 16, 8, 48, 40)]
+    "t,e,k,h,i", [(1, 4, 1, 32, 48), (7, 8, 2, 40, 24), (37, 8, 2, 64, 96), (9, 16, 8, 48, 40), (5, 64, 8, 32, 16)]
 )
 def test_fused_moe_matches_reference(t, e, k, h, i, dtype):
     w13, w2 = _experts(e, h, i, dtype, seed=t)
