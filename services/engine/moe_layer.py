@@ -46,8 +46,8 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool) 
 class MoEDecoderModel(DecoderModel):
     """DecoderModel whose sparse layers run an MoE block instead of the gated MLP."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, ops: KernelOps, max_positions: int):
-        super().__init__(config, weights, ops, max_positions)
+    def __init__(self, config: ModelConfig, weights: ModelWeights, ops: KernelOps, max_positions: int, **kw):
+        super().__init__(config, weights, ops, max_positions, **kw)  # kw: what DecoderModel takes besides
         moe = config.moe
         self.sparse_index = {}  # layer index -> row of the load counters
         for n, sparse in enumerate(moe.sparse_layers):
