@@ -147,3 +147,19 @@ def test_expert_load_is_exported_as_prometheus_metrics(models):
     assert sum(load.last_step) == 1 * 2 * 2  # one decode token, top-2, two sparse layers
     assert f'kvrelay:moe_expert_load_imbalance{{window="total"}} {load.total_imbalance}' in text
     assert 'kvrelay:moe_expert_tokens_last_step{expert="0"}' in text
+
+
+def test_moe_tensors_are_recognised_for_the_parallel_loader(models):
+    from kvrelay.engine.architectures.moe import is_moe_tensor
+    from kvrelay.engine.weights import expected_shapes
+
+    # Mixtral: 2 sparse layers of router + 8 experts x 3; Qwen2-MoE: 2 sparse layers of router +
+    # 8 x 3 + shared expert (3) + its gate.
+    for name, count in (("mixtral", 2 * (1 + 24)), ("qwen2_moe", 2 * (1 + 24 + 3 + 1))):
+        config = make_engine(models[name]).config
+        moe = {n for n in expected_shapes(config) if is_moe_tensor(n)}
+        assert len(moe) == count
+        assert all(".self_attn." not in n and "norm" not in n for n in moe)
+        assert not is_moe_tensor("model.layers.1.mlp.gate_proj.weight")  # a dense layer's MLP
+    assert is_moe_tensor("model.layers.0.mlp.shared_expert_gate.weight")
+    assert is_moe_tensor("model.layers.2.mlp.shared_expert.down_proj.weight")

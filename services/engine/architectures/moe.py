@@ -10,6 +10,7 @@ Under expert parallelism a rank reads only its experts' tensors (kvrelay.engine.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,20 @@ from kvrelay.engine.errors import ModelLoadError
 from kvrelay.engine.model_config import ModelConfig
 from kvrelay.engine.parallel.expert import local_experts
 from kvrelay.engine.weights import Linear
+
+# A sparse layer's checkpoint tensors: router, experts, shared expert and its gate.
+_MOE_TENSOR = re.compile(
+    r"^model\.layers\.\d+\.(block_sparse_moe|mlp)\."
+    r"(gate|experts\.\d+\.\w+|shared_expert\.\w+|shared_expert_gate)\.weight$"
+)
+
+
+def is_moe_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor belongs to a sparse layer. Under tensor parallelism these are read
+    whole: the router and the shared expert are replicated, and the expert list already holds only
+    this rank's experts when experts are parallel (replicated on every rank when not)."""
+    return _MOE_TENSOR.match(name) is not None
+
 
 # Router kinds config.json may name (DeepSeek-style `scoring_func`, `topk_method`, grouped
 # routing); only softmax then greedy top-k is built.
