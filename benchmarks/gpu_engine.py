@@ -16,7 +16,9 @@ Runs on a bare GPU machine with torch, triton and transformers: kvrelay is mappe
   int8 W8A16 and FP8 W8A8 (torch._scaled_mm, rowwise scales) against bf16 F.linear;
 - spec: speculative decoding on the 1B shapes (benchmarks/gpu_spec.py);
 - handoff: prefill/decode hand-off TTFT at 512-4000 tokens, unified vs K/V on gRPC vs the CUDA IPC
-  plane (benchmarks/gpu_handoff.py).
+  plane (benchmarks/gpu_handoff.py);
+- moe: a Mixtral-shaped model (8 experts, top-2) with graphs, eager and the torch MoE reference
+  (benchmarks/gpu_moe.py).
 Each section reports its own failure and the run goes on; the summary comes last. With $OUT set, the
 figures also go to $OUT/gpu_engine.json.
 """
@@ -36,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_word_tokenizer
 from gpu_handoff import section_handoff
+from gpu_moe import section_moe
 from gpu_spec import section_spec
 from package_map import ROOT, map_kvrelay
 
@@ -408,7 +411,7 @@ def section_linear_kernel_only(rep: Report, ops) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: every section runs, no timing")
-    p.add_argument("--only", default="parity,step,throughput,fp8,spec,handoff,kernels")
+    p.add_argument("--only", default="parity,step,throughput,fp8,spec,handoff,moe,kernels")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline (~25 s on an H200)")
     args = p.parse_args(argv)
@@ -474,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
                 run("spec", section_spec, rep, model_dir, vocab, device, smoke, spec_kw)
             if "handoff" in sections:
                 run("handoff", section_handoff, rep, model_dir, vocab, device, smoke, kw)
+    if "moe" in sections:
+        run("moe", section_moe, rep, device, smoke)
     if "kernels" in sections:
         run("kernels", section_kernels, rep, smoke)
 

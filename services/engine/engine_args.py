@@ -54,6 +54,7 @@ class EngineArgs:
     dummy_seed: int = 0  # random weights of --load-format dummy
     tensor_parallel_size: int = 1  # worker processes splitting each layer (kvrelay.engine.parallel)
     pipeline_parallel_size: int = 1  # worker processes holding contiguous layer stages
+    enable_expert_parallel: bool = False  # MoE: the tensor-parallel ranks hold disjoint experts
     plugins: str | None = None  # "a,b": load only these plugins (default: $KVRELAY_PLUGINS, else all)
 
     @staticmethod
@@ -138,6 +139,11 @@ class EngineArgs:
         parser.add_argument(
             "--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
             help="split the layers into this many contiguous stages, each on its own tensor-parallel group",
+        )
+        parser.add_argument(
+            "--enable-expert-parallel", action="store_true",
+            help="mixture-of-experts models: each tensor-parallel rank holds num_experts / size experts (and "
+            "loads only those) instead of every expert; their outputs are summed by one all-reduce per layer",
         )
         parser.add_argument(
             "--plugins", default=None,

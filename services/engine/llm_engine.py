@@ -172,6 +172,8 @@ class LLMEngine(HandoffMixin):
                                   args.max_num_batched_tokens)
         if use_graphs:
             self.runner.capture_graphs()
+        if hasattr(self.model, "reset_expert_load"):  # MoE: drop the planner's and graph warm-ups' counts
+            self.model.reset_expert_load()
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs,
@@ -361,6 +363,7 @@ class LLMEngine(HandoffMixin):
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            expert_load=getattr(self.model, "expert_load", None),
             **self._spec_stats(),
             **(self.executor.stats.as_engine_stats() if self.executor is not None else {}),
         )

@@ -10,7 +10,7 @@ from kvrelay.engine.model_config import ModelConfig, rope_cos_sin_cache
 from kvrelay.engine.parallel.layers import all_reduce, gather_vocab_logits, vocab_parallel_embedding
 from kvrelay.engine.parallel.state import get_parallel_state
 from kvrelay.engine.rope import rope_cos_sin_table
-from kvrelay.engine.weights import Linear, ModelWeights
+from kvrelay.engine.weights import LayerWeights, Linear, ModelWeights
 from kvrelay.kernels.registry import KernelOps
 
 
@@ -44,7 +44,9 @@ class DecoderModel:
         self.vocab_size = vocab_size or config.vocab_size
         if self.parallel.tp_size > 1:  # row-parallel outputs are partial sums: one all-reduce each
             for lw in weights.layers:
-                lw.o_proj.all_reduce = lw.down.all_reduce = True
+                lw.o_proj.all_reduce = True
+                if lw.down is not None:  # None in a sparse (MoE) layer: its experts combine themselves
+                    lw.down.all_reduce = True
         self.w = weights
         self.ops = ops
         device = weights.embed.device
@@ -86,6 +88,10 @@ class DecoderModel:
         else:
             out = F.linear(x, lin.weight, lin.bias)
         return all_reduce(out) if lin.all_reduce else out
+
+    def mlp(self, layer_idx: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward block: the gated MLP (MoE models override it, kvrelay.engine.moe_layer)."""
+        return self._linear(self.act(self._linear(x, lw.gate_up)), lw.down)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -156,11 +162,10 @@ class DecoderModel:
             if cfg.sandwich_norms:
                 hidden = ops.rms_norm(hidden, lw.post_norm, eps)
                 x, residual = ops.fused_add_rms_norm(hidden, residual, lw.pre_ffn_norm, eps)
-                hidden = ops.rms_norm(self._linear(self.act(self._linear(x, lw.gate_up)), lw.down),
-                                      lw.post_ffn_norm, eps)
+                hidden = ops.rms_norm(self.mlp(layer_idx, lw, x), lw.post_ffn_norm, eps)
             else:
                 x, residual = ops.fused_add_rms_norm(hidden, residual, lw.post_norm, eps)
-                hidden = self._linear(self.act(self._linear(x, lw.gate_up)), lw.down)
+                hidden = self.mlp(layer_idx, lw, x)
         return hidden, residual
 
     @torch.inference_mode()

@@ -38,6 +38,7 @@ class EngineStatsCollector:
             yield CounterMetricFamily(name, doc, value=value)
         yield from spec_decode_metrics(s)
         yield from parallel_metrics(s)
+        yield from expert_load_metrics(s)
 
 
 def parallel_metrics(s):
@@ -58,6 +59,27 @@ def parallel_metrics(s):
         nbytes.add_metric([kind], s.parallel_comm_bytes.get(kind, 0))
     yield seconds
     yield nbytes
+
+
+def expert_load_metrics(s):
+    """Expert load balance of a mixture-of-experts model: routed tokens per expert (summed over the
+    sparse layers) since start and in the last step, and the busiest expert over the mean."""
+    if s.expert_load is None:
+        return
+    load = s.expert_load()
+    total = CounterMetricFamily("kvrelay:moe_expert_tokens", "Tokens routed to each expert (all sparse layers).",
+                                labels=["expert"])
+    last = GaugeMetricFamily("kvrelay:moe_expert_tokens_last_step", "Tokens routed to each expert in the last step.",
+                             labels=["expert"])
+    for e, (t, n) in enumerate(zip(load.total, load.last_step, strict=True)):
+        total.add_metric([str(e)], t)
+        last.add_metric([str(e)], n)
+    imbalance = GaugeMetricFamily("kvrelay:moe_expert_load_imbalance",
+                                  "Busiest expert's tokens over the mean, worst sparse layer (1 = even).",
+                                  labels=["window"])
+    imbalance.add_metric(["last_step"], load.last_step_imbalance)
+    imbalance.add_metric(["total"], load.total_imbalance)
+    yield from (total, last, imbalance)
 
 
 def spec_decode_metrics(s):

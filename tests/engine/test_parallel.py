@@ -107,6 +107,21 @@ def test_random_tiny_models_match_transformers(tmp_path, arch, overrides, tp, pp
         assert got[0][str(i)] == hf_greedy(str(model), ids, 10)
 
 
+@pytest.mark.parametrize("arch,expert_parallel", [("mixtral", False), ("qwen2_moe", True)])
+def test_moe_models_under_tensor_and_expert_parallelism_match_one_process(tmp_path, arch, expert_parallel):
+    """Attention split over 2 ranks; experts replicated, or (--enable-expert-parallel) half per rank,
+    summed by one all-reduce; Qwen2-MoE's shared expert and sigmoid gate stay replicated."""
+    model = save_tiny_model(tmp_path / arch, arch)
+    ref = _run(make_engine(model, **KV), PROMPTS[:3], 10)
+    engine = make_engine(model, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **KV)
+    try:
+        _assert_same(ref, _run(engine, PROMPTS[:3], 10))
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="pipeline-parallel-size must be 1"):
+        make_engine(model, pipeline_parallel_size=2, **KV)
+
+
 def test_killed_worker_fails_the_engine_without_hanging():
     engine = make_engine(BUNDLED_MODEL, tensor_parallel_size=2, **KV)
     try:

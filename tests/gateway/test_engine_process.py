@@ -133,3 +133,23 @@ def test_ctrl_c_to_the_process_group_stops_serve_and_its_engine_cleanly(tmp_path
         assert "Traceback" not in log and "exited with code" not in log
     finally:
         gw.stop()
+
+
+def test_moe_expert_load_crosses_the_process_boundary(tmp_path):
+    """EngineStats' expert-load reader is a callable in one process; serve gets a snapshot of it."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+    from tiny_models import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "mixtral", "mixtral")
+    gw = GatewayProcess(["--model", str(model)], tmp_path / "serve.log")
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused")
+        client.completions.create(model="mixtral", prompt=PROMPT, max_tokens=4, temperature=0)
+        deadline = time.monotonic() + 10
+        while metric(gw.url, 'kvrelay:moe_expert_load_imbalance{window="total"}') < 1:
+            assert time.monotonic() < deadline, "no expert load on serve's /metrics"
+            time.sleep(0.1)
+    finally:
+        gw.stop()

@@ -21,7 +21,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 from kvrelay.engine.async_engine import AsyncEngine
-from kvrelay.engine.core.protocol import STATS_INTERVAL_S, EngineInfo, decode, encode
+from kvrelay.engine.core.protocol import STATS_INTERVAL_S, EngineInfo, decode, encode, picklable_stats
 from kvrelay.engine.errors import EngineError
 from kvrelay.kvtransfer.worker_base import _stop_with_parent
 
@@ -110,7 +110,7 @@ class EngineCoreServer:
     async def _send_stats(self) -> None:
         last = None
         while True:
-            stats = self.engine.stats()
+            stats = picklable_stats(self.engine.stats())
             if stats != last:
                 self.outbox.send(encode(("stats", stats)))
                 last = stats

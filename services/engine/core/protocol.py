@@ -20,9 +20,12 @@ engine -> API:
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from dataclasses import dataclass
+from typing import Any
 
+from kvrelay.engine.outputs import EngineStats
 from kvrelay.engine.sampling_params import SamplingParams
 
 STATS_INTERVAL_S = 0.1
@@ -34,6 +37,23 @@ class EngineInfo:
     max_model_len: int
     default_sampling_params: SamplingParams
     pid: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A value read in the engine process, standing in for EngineStats' callables (the MoE expert
+    load, read at scrape time in one process), which do not cross a process boundary."""
+
+    value: Any
+
+    def __call__(self) -> Any:
+        return self.value
+
+
+def picklable_stats(stats: EngineStats) -> EngineStats:
+    if stats.expert_load is None:
+        return stats
+    return dataclasses.replace(stats, expert_load=Snapshot(stats.expert_load()))
 
 
 def encode(message: tuple) -> bytes:

@@ -280,10 +280,15 @@ def start_executor(args, config, dtype: torch.dtype, device: torch.device, kerne
                    kv_cache_storage=None, spec=None) -> MultiprocExecutor:
     """The executor for EngineArgs' parallel sizes, after the checks that need no worker."""
     from kvrelay.engine import architectures
+    from kvrelay.engine.model import DecoderModel
 
-    if architectures.get(config.architecture).build_model is not None:
+    build_model = architectures.get(config.architecture).build_model
+    if build_model is not None and not (isinstance(build_model, type) and issubclass(build_model, DecoderModel)):
         raise ValueError(f"{config.architecture} runs its own model class: --tensor-parallel-size and "
                          f"--pipeline-parallel-size support the built-in decoder's architectures only")
+    if config.moe is not None and args.pipeline_parallel_size > 1:
+        raise ValueError(f"{config.architecture} (mixture of experts): --pipeline-parallel-size must be 1; split "
+                         f"it with --tensor-parallel-size (and --enable-expert-parallel)")
     if kv_cache_storage is not None:
         raise ValueError("a KV cache in shared host memory (--kv-shared-cache) needs --tensor-parallel-size 1 and "
                          "--pipeline-parallel-size 1")
@@ -306,6 +311,7 @@ def start_executor(args, config, dtype: torch.dtype, device: torch.device, kerne
          "kernel_backend": kernel_backend, "load_format": args.load_format, "dummy_seed": args.dummy_seed,
          "quantization": args.quantization, "max_model_len": max_model_len, "block_size": args.block_size,
          "gpu_memory_utilization": args.gpu_memory_utilization,
-         "max_num_batched_tokens": args.max_num_batched_tokens, "plugins": args.plugins},
+         "max_num_batched_tokens": args.max_num_batched_tokens, "plugins": args.plugins,
+         "enable_expert_parallel": args.enable_expert_parallel},
         args.tensor_parallel_size, args.pipeline_parallel_size,
     )

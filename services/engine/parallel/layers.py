@@ -130,7 +130,9 @@ class ShardPlan:
 
 def shard_plan(name: str, shape: tuple[int, ...], config: ModelConfig, tp_rank: int, tp_size: int) -> ShardPlan:
     """The slice of checkpoint tensor `name` (full shape `shape`) that TP rank tp_rank holds."""
-    if tp_size == 1:
+    from kvrelay.engine.architectures.moe import is_moe_tensor  # here: architectures import the model
+
+    if tp_size == 1 or is_moe_tensor(name):  # routers, experts, shared experts: read whole (see is_moe_tensor)
         return ShardPlan()
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         rows = vocab_rows(config.vocab_size, tp_size)
@@ -190,9 +192,15 @@ def quantize_rank_linears(weights, quantize, state: ParallelState) -> None:
     one extra column while quantizing (then dropped). The shards are then exactly slices of the
     whole quantization, and TP output equals one process's."""
     for layer in weights.layers:
+        if layer.moe is not None:  # whole experts per rank: their own per-channel scales
+            layer.moe.quantize_experts(quantize)
         for lin in (layer.qkv, layer.gate_up):
+            if lin is None:
+                continue
             lin.weight, lin.scale = quantize(lin.weight)
         for lin in (layer.o_proj, layer.down):
+            if lin is None:
+                continue
             w = lin.weight
             amax = w.abs().amax(dim=1, keepdim=True)
             if state.tp_size > 1:

@@ -50,6 +50,7 @@ class WorkerSpec:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048
     plugins: str | None = None  # the driver's --plugins: architectures from installed packages
+    enable_expert_parallel: bool = False  # MoE: the TP ranks hold disjoint experts instead of replicas
 
 
 def encode(obj) -> bytes:
@@ -131,6 +132,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn, from_main_thread: bool = True
 
 
 def _serve(rank: int, spec: WorkerSpec, conn) -> None:
+    from kvrelay.engine import architectures
     from kvrelay.engine.model import DecoderModel
     from kvrelay.engine.parallel.layers import COMM, kv_head_range, quantize_rank_linears, stage_layers
     from kvrelay.engine.parallel.loader import load_rank_weights
@@ -154,7 +156,7 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
                             timeout=timedelta(seconds=spec.timeout_s))
     tp_group, pp_group = _groups(tp, pp, rank)
     state = ParallelState(tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp, pp_size=pp,
-                          tp_group=tp_group, pp_group=pp_group)
+                          tp_group=tp_group, pp_group=pp_group, expert_parallel=spec.enable_expert_parallel)
     set_parallel_state(state)
 
     ops = get_ops(spec.kernel_backend)
@@ -165,7 +167,8 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
     elif spec.quantization == "fp8":
         quantize_rank_linears(weights, ops.quantize_fp8, state)
     pack_linears(weights, ops.prepack_linear)
-    model = DecoderModel(local, weights, ops, spec.max_model_len, vocab_size=spec.config.vocab_size)
+    build_model = architectures.get(spec.config.architecture).build_model or DecoderModel  # MoE: its subclass
+    model = build_model(local, weights, ops, spec.max_model_len, vocab_size=spec.config.vocab_size)
     planned = None
     if device.type == "cuda":
         planned = plan_kv_cache(model, local, spec.dtype, device, spec.gpu_memory_utilization, spec.block_size,
