@@ -13,7 +13,8 @@ yields increments until all `n` samples finish, and ends with finish_reason "abo
 `capacity` is how many sequences the backend runs at once: past it the gateway queues.
 
 Implementations:
-- `LocalBackend`: an in-process AsyncEngine (`kvrelay serve`).
+- `LocalBackend`: an AsyncEngine in this process, or, given an EngineProcess (`kvrelay serve`),
+  the same API through `kvrelay.engine.core.client` to the engine running in a process of its own.
 - `DisaggregatedBackend` (`kvrelay.gateway.disaggregated`; `kvrelay gateway`,
   `kvrelay serve --disaggregated`): routes each request to prefill workers (prefix affinity +
   load) and a decode worker (load) chosen by `kvrelay.gateway.routing`, through the workers'
@@ -23,6 +24,7 @@ Implementations:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -60,22 +62,37 @@ class Backend(Protocol):
 
 
 class LocalBackend:
-    """An AsyncEngine in this process. The engine is built in `start()` (inside the loop)."""
+    """An AsyncEngine in this process, or the client of an engine-core process. The engine (or the
+    client) is built in `start()`, inside the loop."""
 
     roles = ("engine",)
 
-    def __init__(self, engine_args):
+    def __init__(self, engine_args, process=None):
         self.engine_args = engine_args
+        self.process = process  # kvrelay.engine.core.client.EngineProcess, or None: in this process
         self.engine = None
         self._started = False
+        self.on_dead = None  # fn(error), called once if the engine's step loop crashes (serve exits)
 
     async def start(self) -> None:
-        from kvrelay.engine.async_engine import AsyncEngine
+        if self.process is not None:
+            from kvrelay.engine.core.client import EngineCoreClient
 
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
-        self.engine = AsyncEngine(self.engine_args)
+            self.engine = EngineCoreClient(self.process)
+        else:
+            from kvrelay.engine.async_engine import AsyncEngine
+
+            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+            self.engine = AsyncEngine(self.engine_args)
         await self.engine.start()
         self._started = True
+        if self.process is None:  # an engine-core process is watched as a process by serve
+            self._dead_watch = asyncio.create_task(self._watch_dead())
+
+    async def _watch_dead(self) -> None:
+        error = await self.engine.wait_dead()
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     @property
     def model_name(self) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvrelay.kvtransfer.metrics import spec_decode_metrics
+from kvrelay.kvtransfer.metrics import expert_load_metrics, parallel_metrics, spec_decode_metrics
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -49,7 +49,8 @@ class _GaugeCollector:
 
 
 class _EngineCounters:
-    """Counters of an in-process engine (`serve`) that the workers export too: speculative decoding."""
+    """Counters of an in-process engine (`serve`) that the workers export too: speculative decoding,
+    expert load."""
 
     def __init__(self, stats: Callable[[], object | None]):
         self._stats = stats
@@ -58,6 +59,8 @@ class _EngineCounters:
         s = self._stats()
         if s is not None:
             yield from spec_decode_metrics(s)
+            yield from parallel_metrics(s)
+            yield from expert_load_metrics(s)
 
 
 class GatewayMetrics:

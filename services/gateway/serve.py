@@ -1,4 +1,4 @@
-"""`kvrelay serve`: the gateway and an in-process engine in one process (the README's command).
+"""`kvrelay serve`: the gateway, and the engine in a process of its own (the README's command).
 
 By default: the bundled model, an open `default` tenant, in-memory quotas. `--tenants FILE`
 turns on API keys and quotas; `--redis-url` shares quotas between several such processes.
@@ -109,9 +109,10 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                                                    args.max_connections_per_client))
 
 
-def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = ()) -> int:
+def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = (), backend=None) -> int:
     """Serve app until SIGTERM/SIGINT (returns 0) or until a process in watch exits (returns 1):
-    `serve --disaggregated` without its local worker would only answer 503."""
+    `serve --disaggregated` without its local worker would only answer 503. Likewise when the
+    in-process engine of backend stops after an error (a parallel worker died): exit 1."""
     import uvicorn
 
     limits = app.state.gateway.config.frontdoor
@@ -129,6 +130,15 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
 
     for role, proc in watch:
         threading.Thread(target=wait_for, args=(role, proc), daemon=True).start()
+
+    def engine_died(error: BaseException) -> None:
+        if not server.should_exit:
+            log.error("kvrelay serve: the engine stopped after an error; exiting: %s", error)
+            lost.append("engine")
+            server.should_exit = True
+
+    if backend is not None:
+        backend.on_dead = engine_died
     metrics_server = None
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -137,6 +147,8 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
                                               registry=app.state.gateway.metrics.registry)
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it already handled: a clean stop
+        pass
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
@@ -147,6 +159,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_gateway_arguments(parser)
     parser.add_argument("--disaggregated", action="store_true",
                         help="run one prefill and one decode worker process locally and route through them")
+    parser.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine's step loop in the API process instead of a process of its own "
+                             "(they then share one GIL: higher added latency; for debugging)")
     parser.add_argument("--kv-shm-bytes", type=parse_bytes, default=0,
                         help="with --disaggregated: hand K/V over through a shared-memory arena of this size in "
                              "/dev/shm (e.g. 256MiB) instead of inline on gRPC; 0: off")
@@ -160,9 +175,20 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.disaggregated:
         return run_disaggregated(args)
-    backend = LocalBackend(EngineArgs.from_cli(args))
-    gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
-    return run_app(create_app(gateway), args)
+    engine_args = EngineArgs.from_cli(args)
+    if args.engine_in_process:
+        backend = LocalBackend(engine_args)
+        gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
+        return run_app(create_app(gateway), args, backend=backend)
+    from kvrelay.engine.core.client import EngineProcess
+
+    tenants = load_tenants(args)  # its errors first, before a model loads
+    process = EngineProcess.start(engine_args, args.log_level)
+    try:
+        gateway = Gateway(LocalBackend(engine_args, process), tenants, build_quota(args), gateway_config(args))
+        return run_app(create_app(gateway), args, [("engine", process)])
+    finally:
+        process.stop()
 
 
 def load_tenants(args: argparse.Namespace) -> TenantRegistry:
@@ -189,6 +215,8 @@ def start_worker(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen,
         cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.served_model_name:
         cmd += ["--served-model-name", args.served_model_name]
+    cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size),
+            "--pipeline-parallel-size", str(args.pipeline_parallel_size)]
     if role == "decode":
         cmd += ["--kv-shm-bytes", str(args.kv_shm_bytes)]
     elif args.kv_shared_cache and args.kv_shm_bytes:
