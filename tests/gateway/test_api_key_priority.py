@@ -3,6 +3,7 @@ the tenant's allowance."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,13 @@ def test_serve_with_api_key(own_tmp):
         good = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
         assert good.completions.create(**body).usage.completion_tokens == 2
         assert httpx.get(gw.url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+        # serve runs the engine in a process of its own: constraints and prompt logprobs cross it.
+        r = good.completions.create(model="stories260K", prompt="Once", max_tokens=20, temperature=1.0, seed=1,
+                                    extra_body={"guided_regex": "(cat|dog) [0-9]{2}"})
+        assert re.fullmatch("(cat|dog) [0-9]{2}", r.choices[0].text)
+        scored = good.completions.create(model="stories260K", prompt="Once upon a time", echo=True, logprobs=0,
+                                         max_tokens=0).choices[0].logprobs
+        assert scored.token_logprobs[0] is None and all(v < 0 for v in scored.token_logprobs[1:])
     finally:
         gw.stop()
     assert KEY not in (own_tmp / "apikey.log").read_text()
