@@ -18,7 +18,7 @@ import torch
 from kvrelay.engine import architectures, logits_processors
 from kvrelay.engine.block_pool import BlockPool, cache_root
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
-from kvrelay.engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
+from kvrelay.engine.engine_args import EngineArgs, cpu_kv_cache_blocks
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from kvrelay.engine.handoff import HandoffMixin
 from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
@@ -151,7 +151,7 @@ class LLMEngine(HandoffMixin):
             log.info("%s", plan.describe())
             num_blocks = plan.kv_bytes // sizing_bytes
         else:
-            num_blocks = CPU_KV_CACHE_BYTES // sizing_bytes
+            num_blocks = cpu_kv_cache_blocks(sizing_bytes, bs, args.max_num_seqs, self.max_model_len)
         if num_blocks * bs < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), less than one "

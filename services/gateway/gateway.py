@@ -87,7 +87,9 @@ class Gateway:
         self.quota = quota or QuotaManager(MemoryQuotaStore(), self.config.lease_ttl_s, self.config.quota_fail_open,
                                            self.config.quota_wait_s)
         self.metrics = GatewayMetrics(self.config.max_tenant_labels, self.config.tenant_metrics)
-        self.metrics.attach_gauges(self._gauges, self.backend.stats)
+        # The engine's counters only where the engine runs in this process (workers export their own).
+        in_process = "engine" in getattr(backend, "roles", ("engine",))
+        self.metrics.attach_gauges(self._gauges, self.backend.stats if in_process else None)
         self.scheduler: FairScheduler | None = None
         self.running = 0
         self._executor = ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="kvrelay-tokenize")
