@@ -50,6 +50,7 @@ class _Request:
     aborted: bool = False
     num_cached_tokens: int | None = None  # reported by the prefill worker
     cache_salt: str | None = None  # prefix-cache salt, hashed alike here and on the prefill worker
+    deadline: float | None = None  # the caller's gRPC deadline (time.monotonic()), passed on to prefill calls
 
 
 class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
@@ -112,8 +113,10 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         rid = request.request_id or uuid.uuid4().hex
         if rid in self._requests:
             await abort_with(context, InvalidRequestError(f"request_id {rid!r} is already in use", "request_id"))
-        req = self._requests[rid] = _Request(rid, cache_salt=request.cache_salt or None)
         arrival = time.monotonic()
+        left = context.time_remaining()  # None without a deadline
+        req = self._requests[rid] = _Request(rid, cache_salt=request.cache_salt or None,
+                                             deadline=None if left is None else arrival + left)
         last = None
         try:
             params = params_from_proto(request.params)
@@ -201,7 +204,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
                              num_cached_blocks,
                              lambda batch: _write_blocks(self.engine.engine, req.request_id, block_ids, batch))
         req.handoff_task = asyncio.create_task(
-            self.transport.pull(addr, HandoffRequest(req.request_id, ids, params, priority, req.cache_salt or ""), dest))
+            self.transport.pull(addr, HandoffRequest(req.request_id, ids, params, priority, req.cache_salt or "",
+                                         req.deadline), dest))
         try:
             result = await req.handoff_task
         except asyncio.CancelledError:

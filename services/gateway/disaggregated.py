@@ -21,6 +21,7 @@ from kvrelay.engine.block_pool import cache_root, prompt_block_hashes
 from kvrelay.engine.outputs import EngineStats
 from kvrelay.engine.sampling_params import SamplingParams, defaults_from_generation_config
 from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.gateway import deadlines
 from kvrelay.gateway.routing import Discovery, WorkerPool
 from kvrelay.gateway.routing_policy import resolve as resolve_policy
 
@@ -179,7 +180,7 @@ class DisaggregatedBackend:
             self._where[request_id] = decode.address
             stream = self._client(decode.address).generate(
                 ids, params, request_id, prefill_addr=[p.address for p in prefills] or None, priority=priority,
-                cache_salt=cache_salt)
+                cache_salt=cache_salt, timeout_s=deadlines.remaining())
             try:
                 async for out in stream:
                     if not started:

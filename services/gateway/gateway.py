@@ -20,6 +20,7 @@ from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.gateway import errors
 from kvrelay.gateway.backend import Backend
+from kvrelay.gateway.deadlines import request_timeout
 from kvrelay.gateway.errors import ApiError
 from kvrelay.gateway.frontdoor import FrontDoorLimits
 from kvrelay.gateway.metrics import GatewayMetrics
@@ -54,6 +55,7 @@ class GatewayConfig:
     tokenizer_queue: int = 1024  # preparations waiting for a thread; past it: 503
     allow_special_tokens: bool = False  # True: special-token text in prompts and messages acts as special
     frontdoor: FrontDoorLimits = field(default_factory=FrontDoorLimits)  # header and connection limits
+    request_timeout_s: float | None = 600.0  # every request's deadline, capped per tenant; None: none
 
 
 @dataclass
@@ -76,6 +78,7 @@ class Prepared:
     ticket: Ticket | None = None
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
     cache_salt: str | None = None  # prefix-cache salt: the tenant's cache group and the request's cache_salt
+    timeout_s: float | None = None  # the request's deadline, from arrival (deadlines.py)
 
 
 class Gateway:
@@ -341,6 +344,9 @@ class Gateway:
             raise errors.unavailable(f"The gateway is saturated: {e}", "queue_full") from e
 
     # ------------------------------------------------------------------ generation
+
+    def request_timeout(self, tenant: Tenant) -> float | None:
+        return request_timeout(self.config.request_timeout_s, tenant.request_timeout_s)
 
     def stream_outputs(self, p: Prepared):
         """(prompt index, RequestOutput) for every prompt of the request, interleaved."""

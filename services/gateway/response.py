@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from fastapi.responses import Response
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 from kvrelay.gateway import errors
+from kvrelay.gateway.deadlines import DEADLINE, deadline_exceeded
 from kvrelay.gateway.errors import ApiError
 from kvrelay.gateway.gateway import Gateway, Prepared
 
@@ -37,6 +39,8 @@ def _engine_error(e: Exception, p: Prepared) -> ApiError:
         return errors.bad_request(str(e), e.field)
     if isinstance(e, EngineDeadError):
         return errors.unavailable(f"The engine stopped: {e}", "engine_dead")
+    if type(e).__name__ == "DeadlineExceededError":  # a worker saw the deadline pass first
+        return deadline_exceeded(p.timeout_s or 0)
     if type(e).__module__ == "kvrelay.kvtransfer.errors":  # worker unreachable, no capacity, failed hand-off
         return errors.unavailable(f"No worker could serve the request: {e}", "workers_unavailable")
     log.exception("request %s failed", p.request_id, exc_info=e)
@@ -76,14 +80,23 @@ class GenerationResponse(Response):
         self._itl = gateway.metrics.itl.labels(prepared.model)  # observed per token: bind the labels once
 
     async def __call__(self, scope, receive, send) -> None:
+        p = self.p
+        p.timeout_s = timeout = self.gw.request_timeout(p.tenant)
+        left = None if timeout is None else p.arrival + timeout - time.monotonic()
+        DEADLINE.set(None if timeout is None else p.arrival + timeout)  # copied into the task below
         main = asyncio.create_task(self._run(send))
         watcher = asyncio.create_task(_wait_disconnect(receive))
+        timed_out = False
         try:
-            await asyncio.wait({main, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({main, watcher}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            timed_out = not main.done() and not watcher.done()
         finally:
             for task in (main, watcher):
                 task.cancel()
             await asyncio.gather(main, watcher, return_exceptions=True)
+        if timed_out:  # the cancel closed the backend iterator: the request was aborted upstream
+            with contextlib.suppress(OSError):
+                await self._fail(deadline_exceeded(timeout), send)
 
     # -- the request's life after admission
 

@@ -72,6 +72,10 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                              "API port's /metrics sums over tenants and needs a key when --tenants is set")
     parser.add_argument("--no-tenant-metrics", action="store_true",
                         help="no per-tenant series at all (every tenant is counted as `all`)")
+    parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                        help="seconds from a request's arrival to its deadline (a tenant's request_timeout_s caps "
+                             "it; 0: none); on expiry every hop aborts it and the client gets a 504, or an SSE "
+                             "error event once streaming")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -90,6 +94,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          allow_special_tokens=args.allow_special_tokens_in_prompt,
                          tenant_metrics=not args.no_tenant_metrics,
                          default_reserve_tokens=args.default_reserve_tokens,
+                         request_timeout_s=args.request_timeout or None,
                          frontdoor=FrontDoorLimits(args.max_header_bytes, args.max_headers, args.header_timeout,
                                                    args.max_connections_per_client))
 

@@ -8,6 +8,7 @@ The tenants file is YAML (in a cluster it is mounted from a Kubernetes Secret):
         priority: 1                 # higher is served first; fairness applies within a priority
         allowed_models: ["*"]       # or a list of served model ids
         prefix_cache_group: team-a  # optional: tenants naming the same group share cached prefixes
+        request_timeout_s: 60       # optional: caps the gateway's --request-timeout for this tenant
         quotas:                     # every quota is optional; absent means unlimited
           requests_per_minute: 600
           tokens_per_minute: 200000
@@ -55,6 +56,7 @@ class Tenant:
     priority: int = 0
     allowed_models: tuple[str, ...] = ("*",)
     prefix_cache_group: str | None = None  # None: a prefix cache of its own
+    request_timeout_s: float | None = None  # caps the gateway's --request-timeout for this tenant
 
     def may_use(self, model: str) -> bool:
         return "*" in self.allowed_models or model in self.allowed_models
@@ -78,7 +80,8 @@ def parse_tenants(doc: object, source: str = "tenants file") -> list[Tenant]:
         where = f"{source}: tenants[{i}]"
         if not isinstance(entry, dict):
             raise TenantConfigError(f"{where}: expected a mapping")
-        unknown = set(entry) - {"id", "api_keys_sha256", "priority", "allowed_models", "quotas", "prefix_cache_group"}
+        unknown = set(entry) - {"id", "api_keys_sha256", "priority", "allowed_models", "quotas", "prefix_cache_group",
+                                 "request_timeout_s"}
         if unknown:
             raise TenantConfigError(f"{where}: unknown fields {sorted(unknown)}")
         tid = entry.get("id")
@@ -115,8 +118,12 @@ def parse_tenants(doc: object, source: str = "tenants file") -> list[Tenant]:
         group = entry.get("prefix_cache_group")
         if group is not None and (not isinstance(group, str) or not group):
             raise TenantConfigError(f"{where}.prefix_cache_group: expected a non-empty string, got {group!r}")
+        timeout = entry.get("request_timeout_s")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                    or timeout <= 0):
+            raise TenantConfigError(f"{where}.request_timeout_s: expected seconds > 0, got {timeout!r}")
         tenants.append(Tenant(tid, tuple(key_hashes), Quotas(**quotas), priority, tuple(models),
-                              None if group is None else f"group:{group}"))
+                              None if group is None else f"group:{group}", timeout))
     return tenants
 
 

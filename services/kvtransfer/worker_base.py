@@ -43,7 +43,9 @@ class WorkerOptions:
     debug_chunk_delay_s: float = 0.0  # fault injection for tests: pause after each chunk sent
     # decode side
     allow_local_prefill: bool = True  # when every prefill worker failed, prefill on the decode worker
-    handoff_timeout_s: float = 300.0  # give up one remote prefill after this long
+    # Give up one remote prefill after this long (then the next prefill worker or a local prefill);
+    # the request's own deadline bounds it too.
+    handoff_timeout_s: float = 15.0
     # Shared-memory data plane for prefill workers on the same node (kvrelay.kvtransfer.shm):
     # arena bytes (0: off, K/V always inline on gRPC) and the memory-backed directory holding it.
     kv_shm_bytes: int = 0
