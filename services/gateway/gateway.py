@@ -93,6 +93,8 @@ class Gateway:
         # The engine's counters only where the engine runs in this process (workers export their own).
         in_process = "engine" in getattr(backend, "roles", ("engine",))
         self.metrics.attach_gauges(self._gauges, self.backend.stats if in_process else None)
+        for collector in getattr(backend, "metric_collectors", list)():  # e.g. circuit breakers
+            self.metrics.registry.register(collector)
         self.scheduler: FairScheduler | None = None
         self.running = 0
         self._executor = ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="kvrelay-tokenize")

@@ -143,6 +143,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-shared-cache", action="store_true",
                         help="with --kv-shm-bytes: the prefill worker keeps its KV cache in /dev/shm and the "
                              "decode worker copies blocks straight out of it (CPU only)")
+    from kvrelay.gateway.cluster import add_resilience_arguments
+
+    add_resilience_arguments(parser)
     EngineArgs.add_cli_args(parser)
 
 
