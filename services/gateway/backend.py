@@ -64,18 +64,31 @@ class LocalBackend:
 
     roles = ("engine",)
 
-    def __init__(self, engine_args):
+    def __init__(self, engine_args, watchdog=None):
         self.engine_args = engine_args
         self.engine = None
         self._started = False
+        self.watchdog_config = watchdog  # kvrelay.kvtransfer.watchdog.WatchdogConfig; None: its defaults
+        self.watchdog = None
 
     async def start(self) -> None:
+        import os
+
         from kvrelay.engine.async_engine import AsyncEngine
+        from kvrelay.kvtransfer.watchdog import HANG_AFTER_STEPS_ENV, Watchdog, install_hang_hook
 
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self.engine = AsyncEngine(self.engine_args)
+        hang = os.environ.get(HANG_AFTER_STEPS_ENV)
+        install_hang_hook(self.engine, int(hang) if hang else None)
         await self.engine.start()
+        self.watchdog = Watchdog(self.engine, self.watchdog_config, "serve")
+        self.watchdog.start()
         self._started = True
+
+    def alive(self) -> bool:
+        """False while the watchdog finds the engine's step loop hung (liveness)."""
+        return self.watchdog is None or self.watchdog.healthy
 
     @property
     def model_name(self) -> str:
@@ -105,11 +118,13 @@ class LocalBackend:
     def ready(self) -> bool:
         if not self._started or self.engine is None:
             return False
-        return bool(getattr(self.engine, "is_running", True))
+        return bool(getattr(self.engine, "is_running", True)) and self.alive()
 
     def default_sampling_params(self) -> SamplingParams:
         return self.engine.default_sampling_params()
 
     async def shutdown(self) -> None:
+        if self.watchdog is not None:
+            await self.watchdog.stop()
         if self.engine is not None:
             await self.engine.shutdown()

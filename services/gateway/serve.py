@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import yaml
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
@@ -20,6 +21,7 @@ from kvrelay.gateway.backend import LocalBackend
 from kvrelay.gateway.frontdoor import FrontDoorLimits, uvicorn_options
 from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStore
 from kvrelay.gateway.tenants import TenantConfigError, TenantRegistry
+from kvrelay.kvtransfer.watchdog import WatchdogConfig
 from kvrelay.kvtransfer.worker_base import PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,18 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
                                            access_log=False, timeout_graceful_shutdown=5,
                                            **uvicorn_options(limits)))
     lost: list[str] = []
+    backend = app.state.gateway.backend
+
+    def watch_engine() -> None:
+        """serve's own engine: exit (code 1) once its watchdog gives up on a hung step loop."""
+        while not server.should_exit:
+            watchdog = getattr(backend, "watchdog", None)
+            if watchdog is not None and watchdog.expired.is_set():
+                lost.append("engine")
+                server.should_exit = True
+            time.sleep(0.25)
+
+    threading.Thread(target=watch_engine, daemon=True).start()
 
     def wait_for(role: str, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -146,6 +160,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvrelay.gateway.cluster import add_resilience_arguments
 
     add_resilience_arguments(parser)
+    w = WatchdogConfig()
+    parser.add_argument("--watchdog-timeout", type=float, default=w.timeout_s,
+                        help="the engine's step loop counts as hung after this many seconds without progress (or "
+                             "100 mean step times, if longer): /ready and /health answer 503")
+    parser.add_argument("--watchdog-grace", type=float, default=w.grace_s,
+                        help="seconds serve stays up with a hung engine before it exits with code 1")
     EngineArgs.add_cli_args(parser)
 
 
@@ -153,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.disaggregated:
         return run_disaggregated(args)
-    backend = LocalBackend(EngineArgs.from_cli(args))
+    watchdog = WatchdogConfig(args.watchdog_timeout, grace_s=args.watchdog_grace)
+    backend = LocalBackend(EngineArgs.from_cli(args), watchdog)
     gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
     return run_app(create_app(gateway), args)
 
