@@ -101,9 +101,9 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                                                    args.max_connections_per_client))
 
 
-def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = ()) -> int:
-    """Serve app until SIGTERM/SIGINT (returns 0) or until a process in watch exits (returns 1):
-    `serve --disaggregated` without its local worker would only answer 503."""
+def run_app(app, args: argparse.Namespace, supervisor=None) -> int:
+    """Serve app until SIGTERM/SIGINT (returns 0), until the in-process engine's watchdog gives up, or
+    until supervisor (`serve --disaggregated`'s local workers) cannot bring a worker back (returns 1)."""
     import uvicorn
 
     limits = app.state.gateway.config.frontdoor
@@ -124,15 +124,12 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
 
     threading.Thread(target=watch_engine, daemon=True).start()
 
-    def wait_for(role: str, proc: subprocess.Popen) -> None:
-        code = proc.wait()
-        if not server.should_exit:
-            log.error("kvrelay serve: the local %s worker exited with code %s; stopping", role, code)
-            lost.append(role)
-            server.should_exit = True  # read by uvicorn's main loop on its next tick
+    def give_up(role: str) -> None:
+        lost.append(role)
+        server.should_exit = True  # read by uvicorn's main loop on its next tick
 
-    for role, proc in watch:
-        threading.Thread(target=wait_for, args=(role, proc), daemon=True).start()
+    if supervisor is not None:
+        supervisor.on_give_up = give_up
     metrics_server = None
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -154,6 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-shm-bytes", type=parse_bytes, default=0,
                         help="with --disaggregated: hand K/V over through a shared-memory arena of this size in "
                              "/dev/shm (e.g. 256MiB) instead of inline on gRPC; 0: off")
+    parser.add_argument("--max-worker-restarts", type=int, default=5,
+                        help="with --disaggregated: consecutive failed restarts of a local worker before serve exits "
+                             "with code 1 (0: exit when a worker dies)")
     parser.add_argument("--kv-shared-cache", action="store_true",
                         help="with --kv-shm-bytes: the prefill worker keeps its KV cache in /dev/shm and the "
                              "decode worker copies blocks straight out of it (CPU only)")
@@ -186,10 +186,10 @@ def load_tenants(args: argparse.Namespace) -> TenantRegistry:
         raise SystemExit(f"kvrelay: cannot load the tenants file: {e}") from e
 
 
-def start_worker(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    """`kvrelay prefill|decode --port 0` on loopback; returns the process and its address."""
-    cmd = [sys.executable, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", "0", "--model", args.model,
-           "--max-num-seqs", str(args.max_num_seqs)]
+def start_worker(role: str, args: argparse.Namespace, port: int = 0) -> subprocess.Popen:
+    """`kvrelay prefill|decode` on loopback (port 0: any free port); returns once it listens."""
+    cmd = [sys.executable, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", str(port),
+           "--model", args.model, "--max-num-seqs", str(args.max_num_seqs)]
     if args.kv_cache_memory is not None:
         cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.served_model_name:
@@ -198,35 +198,34 @@ def start_worker(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen,
         cmd += ["--kv-shm-bytes", str(args.kv_shm_bytes)]
     elif args.kv_shared_cache and args.kv_shm_bytes:
         cmd += ["--kv-shared-cache"]
+    cmd += ["--watchdog-timeout", str(args.watchdog_timeout), "--watchdog-grace", str(args.watchdog_grace)]
     # uvicorn re-raises the SIGTERM it handled once it has shut down, so the finally in
     # run_disaggregated may never run: the workers also stop by themselves when serve exits.
     env = os.environ | {PARENT_PID_ENV: str(os.getpid())}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    # Its own session: a Ctrl+C in the terminal reaches serve alone, which then stops the workers
+    # (a worker stopping by itself would look like a crash to the supervisor).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     for line in proc.stdout:  # the worker prints "kvrelay <role> listening on HOST:PORT ..."
         if " listening on " in line:
-            address = line.split(" listening on ")[1].split()[0]
             threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining its output
-            return proc, address
-    raise SystemExit(f"kvrelay serve --disaggregated: the {role} worker exited with {proc.wait()}")
+            return proc
+    raise RuntimeError(f"the {role} worker exited with {proc.wait()} before listening")
 
 
 def run_disaggregated(args: argparse.Namespace) -> int:
     from kvrelay.gateway.cluster import build_backend
+    from kvrelay.gateway.supervisor import RestartPolicy, Supervisor
 
-    workers = []
+    supervisor = Supervisor(["prefill", "decode"], lambda role, port: start_worker(role, args, port),
+                            RestartPolicy(max_restarts=args.max_worker_restarts))
     try:
-        workers.append(start_worker("prefill", args))
-        workers.append(start_worker("decode", args))
+        try:
+            supervisor.start_all()
+        except RuntimeError as e:
+            raise SystemExit(f"kvrelay serve --disaggregated: {e}") from None
         args.dns_refresh = 5.0
-        backend = build_backend(args, workers[0][1], workers[1][1])
+        backend = build_backend(args, supervisor.addresses["prefill"], supervisor.addresses["decode"])
         gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
-        watch = [("prefill", workers[0][0]), ("decode", workers[1][0])]
-        return run_app(create_app(gateway), args, watch)
+        return run_app(create_app(gateway), args, supervisor)
     finally:
-        for proc, _ in workers:
-            proc.terminate()
-        for proc, _ in workers:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        supervisor.stop()
