@@ -64,8 +64,10 @@ class LocalBackend:
 
     roles = ("engine",)
 
-    def __init__(self, engine_args, watchdog=None):
+    def __init__(self, engine_args, watchdog=None, stats_interval_s: float = 10.0):
         self.engine_args = engine_args
+        self.stats_interval_s = stats_interval_s
+        self.stats_logger = None
         self.engine = None
         self._started = False
         self.watchdog_config = watchdog  # kvrelay.kvtransfer.watchdog.WatchdogConfig; None: its defaults
@@ -84,6 +86,10 @@ class LocalBackend:
         await self.engine.start()
         self.watchdog = Watchdog(self.engine, self.watchdog_config, "serve")
         self.watchdog.start()
+        from kvrelay.engine.stats_logger import StatsLogger
+
+        self.stats_logger = StatsLogger(self.engine.stats, self.stats_interval_s, "serve engine")
+        self.stats_logger.start()
         self._started = True
 
     def alive(self) -> bool:
@@ -124,6 +130,8 @@ class LocalBackend:
         return self.engine.default_sampling_params()
 
     async def shutdown(self) -> None:
+        if self.stats_logger is not None:
+            await self.stats_logger.stop()
         if self.watchdog is not None:
             await self.watchdog.stop()
         if self.engine is not None:

@@ -10,12 +10,12 @@ The gateway reads only the tokenizer and configs from `--model` (no weights).
 from __future__ import annotations
 
 import argparse
-import logging
 
 from kvrelay.gateway.breaker import BreakerConfig
 from kvrelay.gateway.serve import add_gateway_arguments, build_quota, gateway_config, run_app
 from kvrelay.gateway.stall import StallConfig
 
+from kvrelay.log_format import setup_logging
 from kvrelay.models import BUNDLED_MODEL
 
 
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from kvrelay.gateway.app import Gateway, create_app
     from kvrelay.gateway.serve import load_tenants
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     if not args.decode:
         raise SystemExit("kvrelay gateway: --decode is required (HOST:PORT,... or dns:///NAME:PORT); "
                          "--prefill is optional (decode workers can prefill locally)")

@@ -23,6 +23,7 @@ from kvrelay.engine.outputs import EngineStats
 from kvrelay.engine.sampling_params import SamplingParams, defaults_from_generation_config
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.gateway import deadlines
+from kvrelay.gateway.access_log import REQUEST_ID
 from kvrelay.gateway.breaker import BreakerConfig, Breakers
 from kvrelay.gateway.routing import Discovery, WorkerPool
 from kvrelay.gateway.routing_policy import resolve as resolve_policy
@@ -197,7 +198,8 @@ class DisaggregatedBackend:
             self._where[request_id] = decode.address
             stream = self._client(decode.address).generate(
                 ids, params, request_id, prefill_addr=[p.address for p in prefills] or None, priority=priority,
-                cache_salt=cache_salt, timeout_s=deadlines.remaining())
+                cache_salt=cache_salt, timeout_s=deadlines.remaining(),
+                metadata=(("x-request-id", xrid),) if (xrid := REQUEST_ID.get()) else None)
             address = decode.address
             watched = watch(stream, address, lambda a=address: self._alive(a), self.step_times)
             try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from fastapi.responses import Response
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 from kvrelay.gateway import errors
+from kvrelay.gateway.access_log import access_fields
 from kvrelay.gateway.deadlines import DEADLINE, deadline_exceeded
 from kvrelay.gateway.errors import ApiError
 from kvrelay.gateway.gateway import Gateway, Prepared
@@ -78,9 +79,12 @@ class GenerationResponse(Response):
         self.headers_sent = False
         self.last_token_at: float | None = None
         self._itl = gateway.metrics.itl.labels(prepared.model)  # observed per token: bind the labels once
+        self.access: dict = {}  # this request's access-line fields (access_log.py), bound in __call__
 
     async def __call__(self, scope, receive, send) -> None:
         p = self.p
+        self.access = access_fields(scope)
+        self.access.update(tenant=p.tenant.id, model=p.model)
         p.timeout_s = timeout = self.gw.request_timeout(p.tenant)
         left = None if timeout is None else p.arrival + timeout - time.monotonic()
         DEADLINE.set(None if timeout is None else p.arrival + timeout)  # copied into the task below
@@ -105,7 +109,8 @@ class GenerationResponse(Response):
         outputs = None
         try:
             await gw.scheduler.wait(p.ticket)
-            gw.metrics.queue_time.labels(p.model).observe(time.monotonic() - p.arrival)
+            self.access["queue_s"] = time.monotonic() - p.arrival
+            gw.metrics.queue_time.labels(p.model).observe(self.access["queue_s"])
             gw.running += 1
             outputs = gw.stream_outputs(p)
             if p.stream:
@@ -146,6 +151,7 @@ class GenerationResponse(Response):
         for reason in reasons:
             m.requests.labels(p.model, tenant, reason).inc()
         m.e2e.labels(p.model).observe(time.monotonic() - p.arrival)
+        self.access.update(prompt_tokens=prompt_tokens, completion_tokens=generated)
 
     async def _fail(self, e: ApiError, send) -> None:
         self.gw.metrics.errors.labels(str(e.status)).inc()
@@ -165,7 +171,7 @@ class GenerationResponse(Response):
         await send({"type": "http.response.body", "body": data})
 
     def _extra_headers(self) -> dict[str, str]:
-        h = {"x-request-id": self.p.request_id}
+        h: dict[str, str] = {}  # x-request-id: added by access_log.AccessLog
         if self.p.admission is not None:
             h.update(self.p.admission.headers)
         return h
@@ -202,6 +208,7 @@ class GenerationResponse(Response):
         now = time.monotonic()
         if out.new_token_ids:
             if self.last_token_at is None:
+                self.access["ttft_s"] = now - p.arrival
                 self.gw.metrics.ttft.labels(p.model).observe(now - p.arrival)
             else:
                 self._itl.observe(now - self.last_token_at)

@@ -24,6 +24,8 @@ from kvrelay.gateway.tenants import TenantConfigError, TenantRegistry
 from kvrelay.kvtransfer.watchdog import WatchdogConfig
 from kvrelay.kvtransfer.worker_base import PARENT_PID_ENV
 
+from kvrelay.log_format import add_log_arguments, setup_logging
+
 log = logging.getLogger(__name__)
 
 
@@ -78,7 +80,10 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                         help="seconds from a request's arrival to its deadline (a tenant's request_timeout_s caps "
                              "it; 0: none); on expiry every hop aborts it and the client gets a 504, or an SSE "
                              "error event once streaming")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_log_arguments(parser)
+    parser.add_argument("--stats-interval", type=float, default=10.0,
+                        help="serve: seconds between engine stats lines in the log (idle intervals are skipped; "
+                             "0: off)")
 
 
 def build_quota(args: argparse.Namespace) -> QuotaManager:
@@ -107,8 +112,9 @@ def run_app(app, args: argparse.Namespace, supervisor=None) -> int:
     import uvicorn
 
     limits = app.state.gateway.config.frontdoor
+    # log_config=None: uvicorn's loggers go through the root handler (setup_logging: text or JSON).
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=False, timeout_graceful_shutdown=5,
+                                           access_log=False, timeout_graceful_shutdown=5, log_config=None,
                                            **uvicorn_options(limits)))
     lost: list[str] = []
     backend = app.state.gateway.backend
@@ -170,11 +176,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     if args.disaggregated:
         return run_disaggregated(args)
     watchdog = WatchdogConfig(args.watchdog_timeout, grace_s=args.watchdog_grace)
-    backend = LocalBackend(EngineArgs.from_cli(args), watchdog)
+    backend = LocalBackend(EngineArgs.from_cli(args), watchdog, args.stats_interval)
     gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
     return run_app(create_app(gateway), args)
 
@@ -198,7 +204,8 @@ def start_worker(role: str, args: argparse.Namespace, port: int = 0) -> subproce
         cmd += ["--kv-shm-bytes", str(args.kv_shm_bytes)]
     elif args.kv_shared_cache and args.kv_shm_bytes:
         cmd += ["--kv-shared-cache"]
-    cmd += ["--watchdog-timeout", str(args.watchdog_timeout), "--watchdog-grace", str(args.watchdog_grace)]
+    cmd += ["--watchdog-timeout", str(args.watchdog_timeout), "--watchdog-grace", str(args.watchdog_grace),
+            "--log-format", args.log_format, "--stats-interval", str(args.stats_interval)]
     # uvicorn re-raises the SIGTERM it handled once it has shut down, so the finally in
     # run_disaggregated may never run: the workers also stop by themselves when serve exits.
     env = os.environ | {PARENT_PID_ENV: str(os.getpid())}

@@ -16,6 +16,7 @@ from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
 from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
+from kvrelay.engine.stats_logger import StatsLogger
 from kvrelay.kvtransfer.grpc_options import server_options
 from kvrelay.kvtransfer.health_http import serve_health
 from kvrelay.kvtransfer.layout import DEFAULT_MAX_MESSAGE_BYTES, KVLayout, plan_chunks
@@ -24,6 +25,8 @@ from kvrelay.kvtransfer.metrics import WorkerMetrics
 from kvrelay.kvtransfer.shm import SharedKVCache
 from kvrelay.kvtransfer.watchdog import HANG_AFTER_STEPS_ENV, Watchdog, WatchdogConfig, install_hang_hook
 from kvrelay.v1 import load_pb2_grpc
+
+from kvrelay.log_format import add_log_arguments
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class WorkerOptions:
     # The step-loop watchdog (kvrelay.kvtransfer.watchdog): hung after this long, exit after the grace.
     watchdog_timeout_s: float = 30.0
     watchdog_grace_s: float = 10.0
+    stats_interval_s: float = 10.0  # the periodic engine stats line (kvrelay.engine.stats_logger); 0: off
 
 
 def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -72,6 +76,9 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--port", type=int, required=True, help="gRPC port (0: any free port, printed at start)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics, and /health and /ready for probes, on this port")
+    parser.add_argument("--stats-interval", dest="stats_interval_s", type=float, default=d.stats_interval_s,
+                        help="seconds between engine stats lines in the log (idle intervals are skipped; 0: off)")
+    add_log_arguments(parser)
     parser.add_argument("--watchdog-timeout", dest="watchdog_timeout_s", type=float, default=d.watchdog_timeout_s,
                         help="the engine's step loop counts as hung after this many seconds without progress "
                              "(or 100 mean step times, if longer): the worker turns unhealthy on its load stream, "
@@ -138,6 +145,7 @@ class WorkerBase:
         self.layout = KVLayout.of_engine(engine.engine, self.options.model_revision)
         plan_chunks(self.layout, 0, 1, 1, self.options.max_message_bytes)  # ValueError: one block must fit
         self.metrics = WorkerMetrics(engine)
+        self.stats_logger = StatsLogger(engine.stats, self.options.stats_interval_s, f"{self.role} engine")
         self.watchdog = Watchdog(engine, WatchdogConfig(self.options.watchdog_timeout_s,
                                                         grace_s=self.options.watchdog_grace_s), self.role)
         self.load = LoadServicer(self.role, engine, self.layout, self.active_handoffs, self.options.load_interval_s,
@@ -155,6 +163,7 @@ class WorkerBase:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         await self.engine.start()
         self.watchdog.start()
+        self.stats_logger.start()
         # Room for a full chunk plus gRPC framing.
         self.server = grpc.aio.server(options=server_options(self.options.max_message_bytes + 65536))
         self.add_services(self.server)
@@ -181,6 +190,7 @@ class WorkerBase:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         await self.watchdog.stop()
+        await self.stats_logger.stop()
         await self.engine.shutdown()
 
 

@@ -75,6 +75,7 @@ class _Handoff:
     doorbell: DoorbellConn | None = None  # set: chunks and done go on the decode worker's doorbell
     ticket: bytes = b""  # the hand-off's name on the doorbell
     doorbell_error: Exception | None = None  # a ring failed (engine thread): the hand-off fails
+    client_request_id: str = ""  # the client's X-Request-Id, from the decode worker's call metadata
     direct: bool = False  # the decode worker copies the blocks out of this worker's shared cache
     block_table: list[int] = dataclasses.field(default_factory=list)  # of the last gather (engine thread)
     started_at: float = 0.0  # when the prefill was submitted (monotonic)
@@ -192,7 +193,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         lease = Lease(lease_id=uuid.uuid4().hex, request_id=start.request_id, num_tokens=len(ids),
                       task=asyncio.current_task())
         h = _Handoff(lease, asyncio.Queue(), asyncio.get_running_loop(), num_blocks=num_blocks,
-                     max_message_bytes=max_msg, first_block=start.num_cached_blocks)
+                     max_message_bytes=max_msg, first_block=start.num_cached_blocks,
+                     client_request_id=dict(context.invocation_metadata() or ()).get("x-request-id", ""))
         if start.HasField("shm"):
             h.shm = self._open_shm(start.shm, h.num_blocks - h.first_block)
             if h.shm is not None and start.shm.doorbell:
@@ -393,6 +395,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             self.leases.remove(lease)
             self._handoffs.pop(lease.lease_id, None)
             self.metrics.kv_handoffs.labels(reason).inc()
+            log.info("hand-off of %s ended: %s (x-request-id %s, %d prompt tokens, %d bytes)", lease.request_id,
+                     reason, h.client_request_id or "-", lease.num_tokens, h.bytes_sent)
 
     async def _reap(self) -> None:
         while True:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import signal
 import sys
 
@@ -76,9 +75,10 @@ def _main(argv: list[str] | None) -> int:
         print(f"kvrelay {args.command}: error: {exc}", file=sys.stderr)
         return 2
     if args.command in PLUGIN_COMMANDS:
+        from kvrelay.log_format import setup_logging
         from kvrelay.plugins import PluginError, load_plugins
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup_logging(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
         try:
             load_plugins(getattr(args, "plugins", None))
         except PluginError as exc:
