@@ -205,7 +205,8 @@ def start_worker(role: str, args: argparse.Namespace, port: int = 0) -> subproce
     elif args.kv_shared_cache and args.kv_shm_bytes:
         cmd += ["--kv-shared-cache"]
     cmd += ["--watchdog-timeout", str(args.watchdog_timeout), "--watchdog-grace", str(args.watchdog_grace),
-            "--log-format", args.log_format, "--stats-interval", str(args.stats_interval)]
+            "--log-level", args.log_level, "--log-format", args.log_format,
+            "--stats-interval", str(args.stats_interval)]
     # uvicorn re-raises the SIGTERM it handled once it has shut down, so the finally in
     # run_disaggregated may never run: the workers also stop by themselves when serve exits.
     env = os.environ | {PARENT_PID_ENV: str(os.getpid())}

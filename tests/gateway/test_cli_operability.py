@@ -85,15 +85,18 @@ def test_serve_stops_on_ctrl_c_and_sigterm_with_code_0_and_no_traceback(sig, tmp
     import httpx
 
     server = GatewayProcess([], tmp_path / "serve.log")
-    body = {"model": "stories260K", "prompt": "Once upon a time there was a girl named Lily. " * 4, "max_tokens": 2}
-    for _ in range(2):  # the second request hits the prefix cache
-        assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
-    metrics = {line.split()[0]: float(line.split()[1]) for line in httpx.get(server.url + "/metrics").text.splitlines()
-               if line.startswith("kvrelay:")}
-    assert metrics["kvrelay:prefix_cache_hits_total"] >= 16 and metrics["kvrelay:num_preemptions_total"] == 0
-    server.proc.send_signal(sig)
-    assert server.proc.wait(30) == 0
-    server.stop()
+    try:
+        body = {"model": "stories260K", "prompt": "Once upon a time there was a girl named Lily. " * 4,
+                "max_tokens": 2}
+        for _ in range(2):  # the second request hits the prefix cache
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        metrics = {line.split()[0]: float(line.split()[1])
+                   for line in httpx.get(server.url + "/metrics").text.splitlines() if line.startswith("kvrelay:")}
+        assert metrics["kvrelay:prefix_cache_hits_total"] >= 16 and metrics["kvrelay:num_preemptions_total"] == 0
+        server.proc.send_signal(sig)
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
     log = (tmp_path / "serve.log").read_text()
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
 

@@ -79,9 +79,17 @@ def test_killed_workers_are_restarted_and_requests_meanwhile_get_an_answer_or_a_
             assert statuses == {200}  # the decode worker prefilled locally meanwhile
         assert _children(serve.proc.pid)[role] != workers[role]
         assert httpx.get(serve.url + "/ready").status_code == 200
+    workers = _children(serve.proc.pid)
+    serve.proc.send_signal(signal.SIGTERM)  # a clean stop, workers included
+    assert serve.proc.wait(30) == 0
     log = (tmp_path / "serve.log").read_text()
     assert "the local decode worker exited with code -9; restarting it" in log
     assert "the local prefill worker is back on 127.0.0.1:" in log
+    assert "Traceback" not in log and log.count("restarting it") == 2  # none after the SIGTERM
+    deadline = time.monotonic() + 20
+    while any(Path(f"/proc/{pid}").exists() for pid in workers.values()):
+        assert time.monotonic() < deadline, "a worker outlived serve"
+        time.sleep(0.1)
 
 
 def test_stream_in_flight_on_a_killed_decode_worker_ends_with_an_sse_error_event(serve):
