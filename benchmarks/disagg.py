@@ -16,14 +16,17 @@ thread each; the client shares the core of the process that does not decode) wit
     whose hand-offs signal on the doorbell socket between the engine threads; "shm,
     gRPC-signalled" (--no-kv-doorbell) signals on the gRPC stream instead, as the doorbell's
     baseline; "shm, direct" (prefill --kv-shared-cache) has the decode worker copy the blocks
-    straight out of the prefill worker's cache instead of through the region (one copy, not two).
+    straight out of the prefill worker's cache instead of through the region (one copy, not two),
+  - the Mooncake transfer engine ("mooncake", decode --kv-transport mooncake): the prefill worker
+    writes each chunk over the engine's TCP protocol into a region the decode worker registered
+    (what pods on different nodes use without RDMA), beside the gRPC stream ("disagg").
 The single-process baseline is a decode worker prefilling locally: same process, same client
 path, no hand-off. Configurations run one after another, each with only its own workers alive:
 with all five workers up at once on 2 cores, loopback TCP stalled hand-offs for 80-200 ms
 (nstat: TCPLossProbes, spurious retransmits, a zero-window advert), which is not what separate
 pods see.
 
-    .venv/bin/python benchmarks/disagg.py [--lengths 128,512,1024,2048,4096] [--runs 3] [--only shm]
+    .venv/bin/python benchmarks/disagg.py [--lengths 128,512,1024,2048,4096] [--runs 3] [--only shm,mooncake]
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class Worker:
             os.sched_setaffinity(self.proc.pid, {core})  # before torch starts its threads
         self.metrics_port = metrics_port
         for line in self.proc.stdout:
-            m = re.search(r"listening on ([\d.]+):(\d+)", line)
+            m = re.search(r"kvrelay \w+ listening on ([\d.]+):(\d+)", line)
             if m:
                 self.addr = f"{m.group(1)}:{m.group(2)}"
                 threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
@@ -114,6 +117,7 @@ async def one_request(client: DecodeClient, prompt: list[int], params, prefill_a
 
 AFTER, STREAMED = ("--stream-min-tokens", "1000000"), ("--stream-min-tokens", "0", "--layer-group-size", "1")
 SHM = ("--kv-shm-bytes", "128MiB")
+MOONCAKE = ("--kv-transport", "mooncake", "--kv-remote-bytes", "128MiB")
 CONFIGS = (  # name, prefill worker flags (None: no prefill worker, the decode worker prefills), decode flags
     ("single process", None, ()),
     ("disagg, after prefill", AFTER, ()),
@@ -122,6 +126,8 @@ CONFIGS = (  # name, prefill worker flags (None: no prefill worker, the decode w
     ("shm, gRPC-signalled", AFTER, (*SHM, "--no-kv-doorbell")),  # the doorbell's baseline
     ("shm, direct", (*AFTER, "--kv-shared-cache"), SHM),  # doorbell, copied out of the prefill's cache
     ("shm, layer-streamed", STREAMED, SHM),
+    ("mooncake, after prefill", AFTER, MOONCAKE),
+    ("mooncake, layer-streamed", STREAMED, MOONCAKE),
 )
 COUNTERS = ("kvrelay:kv_transfer_bytes_total", "kvrelay:kv_transfer_seconds_sum",
             "kvrelay:kv_transfer_overlapped_bytes_total")
@@ -224,7 +230,7 @@ async def main() -> None:
             print(f"  {name:<22} {n:>5} tokens: TTFT {r['ttft'] / base[n]['ttft'] - 1:+6.1%} vs single process{speed}, "
                   f"hand-off beyond prefill {r['exposed'] * 1000:.1f} ms ({r['exposed'] / base[n]['ttft']:.1%} of "
                   f"single-process TTFT), sent during compute {r['overlap']:.0%}")
-    for plane in ("disagg", "shm"):
+    for plane in ("disagg", "shm", "mooncake"):
         after, streamed = results.get(f"{plane}, after prefill"), results.get(f"{plane}, layer-streamed")
         for n in lengths if after and streamed else ():
             if after[n]["exposed"] > 0:
@@ -234,6 +240,10 @@ async def main() -> None:
     for n in lengths if bell and grpc_signalled else ():
         print(f"  shm: doorbell {bell[n]['gbps']:.2f} GB/s vs gRPC-signalled {grpc_signalled[n]['gbps']:.2f} GB/s at {n} "
               f"tokens ({bell[n]['gbps'] / grpc_signalled[n]['gbps']:.2f}x)")
+    inline, mooncake = results.get("disagg, after prefill"), results.get("mooncake, after prefill")
+    for n in lengths if inline and mooncake else ():
+        print(f"  mooncake (TCP) {mooncake[n]['gbps']:.2f} GB/s vs inline on gRPC {inline[n]['gbps']:.2f} GB/s at {n} "
+              f"tokens ({mooncake[n]['gbps'] / inline[n]['gbps']:.2f}x)")
     direct = results.get("shm, direct")
     for n in lengths if bell and direct else ():
         print(f"  shm: direct {direct[n]['gbps']:.2f} GB/s vs through the region {bell[n]['gbps']:.2f} GB/s at {n} "

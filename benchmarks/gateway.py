@@ -126,7 +126,12 @@ async def run_interleaved(args, folder: str) -> tuple[list, list]:
 
     tenants = write_tenants(folder)
     store = RedisQuotaStore(args.redis_url) if args.redis_url else MemoryQuotaStore()
-    gateway = Gateway(LocalBackend(EngineArgs()), TenantRegistry(tenants), QuotaManager(store))
+    process = None
+    if args.engine_process:  # as `kvrelay serve` runs it; the direct path then goes through its client
+        from kvrelay.engine.core.client import EngineProcess
+
+        process = EngineProcess.start(EngineArgs(), "warning")
+    gateway = Gateway(LocalBackend(EngineArgs(), process), TenantRegistry(tenants), QuotaManager(store))
     port = free_port()
     # The front door `kvrelay serve` uses (h11 with header limits), unless --httptools asks for uvicorn's default.
     http = {} if args.httptools else uvicorn_options(gateway.config.frontdoor)
@@ -172,6 +177,8 @@ async def run_interleaved(args, folder: str) -> tuple[list, list]:
     await http.close()
     server.should_exit = True
     await serve
+    if process is not None:
+        process.stop()
     return direct, via
 
 
@@ -273,6 +280,8 @@ def main() -> None:
                         help="serve with uvicorn's default HTTP parser instead of the gateway's front door (h11)")
     parser.add_argument("--in-process-client", action="store_true",
                         help="read the gateway's streams from this process's event loop (the old set-up)")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="the engine in a process of its own, as `kvrelay serve` runs it (default: in-process)")
     parser.add_argument("--cluster", action="store_true",
                         help="prefill + decode workers and `kvrelay gateway` as processes; direct = gRPC to the decode worker")
     parser.add_argument("--client-port", type=int, help=argparse.SUPPRESS)
@@ -284,7 +293,8 @@ def main() -> None:
         setup = "cluster role: prefill, decode and gateway processes, this process the client of both paths"
     else:
         where = "the gateway process" if args.in_process_client else "its own process"
-        setup = f"kvrelay serve (in-process engine), HTTP client in {where}"
+        engine = "engine-core process" if args.engine_process else "in-process engine"
+        setup = f"kvrelay serve ({engine}), HTTP client in {where}"
     print(f"{args.requests} streaming requests at {args.rate}/s, {args.max_tokens} tokens each, "
           f"quota store: {'redis' if args.redis_url else 'memory'}; {setup}")
     with tempfile.TemporaryDirectory() as folder:

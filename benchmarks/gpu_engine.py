@@ -14,7 +14,11 @@ Runs on a bare GPU machine with torch, triton and transformers: kvrelay is mappe
   same weights;
 - kernels: decode attention (with a split-count sweep at batch 1), prefill attention against SDPA,
   int8 W8A16 and FP8 W8A8 (torch._scaled_mm, rowwise scales) against bf16 F.linear;
-- spec: speculative decoding on the 1B shapes (benchmarks/gpu_spec.py).
+- spec: speculative decoding on the 1B shapes (benchmarks/gpu_spec.py);
+- handoff: prefill/decode hand-off TTFT at 512-4000 tokens, unified vs K/V on gRPC vs the CUDA IPC
+  plane (benchmarks/gpu_handoff.py);
+- moe: a Mixtral-shaped model (8 experts, top-2) with graphs, eager and the torch MoE reference
+  (benchmarks/gpu_moe.py).
 Each section reports its own failure and the run goes on; the summary comes last. With $OUT set, the
 figures also go to $OUT/gpu_engine.json.
 """
@@ -33,6 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_word_tokenizer
+from gpu_handoff import section_handoff
+from gpu_moe import section_moe
 from gpu_spec import section_spec
 from package_map import ROOT, map_kvrelay
 
@@ -405,7 +411,7 @@ def section_linear_kernel_only(rep: Report, ops) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: every section runs, no timing")
-    p.add_argument("--only", default="parity,step,throughput,fp8,spec,kernels")
+    p.add_argument("--only", default="parity,step,throughput,fp8,spec,handoff,moe,kernels")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline (~25 s on an H200)")
     args = p.parse_args(argv)
@@ -437,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "parity" in sections:
         run("parity", section_parity, rep, device, smoke)
-    if sections & {"step", "throughput", "fp8", "spec"}:
+    if sections & {"step", "throughput", "fp8", "spec", "handoff"}:
         config = TINY if smoke else LLAMA_1B
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = make_1b_dir(Path(tmp) / "model", config, device)
@@ -469,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
             if "spec" in sections:
                 spec_kw = {k: v for k, v in kw.items() if k != "max_num_seqs"}
                 run("spec", section_spec, rep, model_dir, vocab, device, smoke, spec_kw)
+            if "handoff" in sections:
+                run("handoff", section_handoff, rep, model_dir, vocab, device, smoke, kw)
+    if "moe" in sections:
+        run("moe", section_moe, rep, device, smoke)
     if "kernels" in sections:
         run("kernels", section_kernels, rep, smoke)
 

@@ -396,6 +396,38 @@ def bench_int8(b: Bench, ops, ref, shapes):
         )
 
 
+def bench_moe(b: Bench, ops, shapes):
+    """The fused MoE kernel beside a per-expert torch loop (what a plain PyTorch MoE layer does).
+    Bytes: the experts the routing touched plus activations; FLOPs: 6 * tokens * top_k * H * I."""
+    from kvrelay.kernels.moe_reference import fused_moe as moe_ref
+    from kvrelay.kernels.moe_reference import fused_moe_per_expert_loop
+
+    torch = b.torch
+    for tokens, hidden, inter, experts, top_k in shapes:
+        w13 = (torch.randn((experts, 2 * inter, hidden), device=b.device) * hidden**-0.5).to(b.dtype)
+        w2 = (torch.randn((experts, hidden, inter), device=b.device) * inter**-0.5).to(b.dtype)
+        x = torch.randn((tokens, hidden), device=b.device).to(b.dtype)
+        weights, ids = torch.randn((tokens, experts), device=b.device).softmax(-1).topk(top_k, dim=-1)
+        got = ops.fused_moe(x, w13, w2, weights, ids)
+        want = moe_ref(x, w13, w2, weights, ids)
+        hit = int(ids.unique().numel())
+        nbytes = hit * 3 * inter * hidden * w13.element_size() + 2 * tokens * hidden * x.element_size()
+        flops = 6 * tokens * top_k * hidden * inter
+        b.add(
+            "fused_moe",
+            f"T={tokens} H={hidden} I={inter} E={experts} k={top_k}",
+            partial(ops.fused_moe, x, w13, w2, weights, ids),
+            partial(fused_moe_per_expert_loop, x, w13, w2, weights, ids),
+            "expert loop",
+            want,
+            got,
+            nbytes=nbytes if tokens <= 64 else None,
+            flops=flops if tokens > 64 else None,
+            atol=5e-2,
+            rtol=5e-2,
+        )
+
+
 def sweep_configs(b: Bench, ops, ref, smoke: bool) -> None:
     """Re-run the target shapes under alternative launch configs, for tuning on the device."""
     from kvrelay.kernels import triton_decode_attention, triton_prefill_attention
@@ -427,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         help="tiny shapes on CPU in Triton's interpreter: checks correctness, times nothing useful",
     )
     parser.add_argument(
-        "--only", default="", help="comma-separated kernel families: decode,prefill,elementwise,blocks,int8"
+        "--only", default="", help="comma-separated kernel families: decode,prefill,elementwise,blocks,int8,moe"
     )
     parser.add_argument(
         "--sweep",
@@ -464,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         "elementwise",
         "blocks",
         "int8",
+        "moe",
     }
     started = time.perf_counter()
     label = (
@@ -533,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
                     (4096, 4096, 4096),
                 ],
             )
+        if "moe" in families:  # Mixtral-8x7B layer shapes: decode-sized (GB/s) and prefill-sized (TFLOP/s)
+            bench_moe(bench, ops, [(5, 64, 48, 8, 2), (40, 64, 48, 8, 2)] if smoke
+                      else [(16, 4096, 14336, 8, 2), (4096, 4096, 14336, 8, 2)])
     failed = [r for r in bench.rows if not r.ok]
     mismatches = ", ".join(f"{r.kernel} {r.shape}" for r in failed)
     verdict = f"MISMATCH: {mismatches}" if failed else "all correct"

@@ -10,8 +10,9 @@ not a speed-up, which needs a draft much cheaper than its target).
 Two workloads: "repeating" (prompts that quote a passage and start it again, so the continuation
 copies it: the editing / summarising shape where lookup pays) and "open" (plain story openings).
 Greedy, EOS ignored, so both runs emit exactly the same tokens; the script checks that they do.
-Per workload and batch size it prints tokens/s, time per output token, acceptance rate and mean
-accepted length, and the ratio to plain decoding measured in the same run.
+Per workload and batch size it prints tokens/s, time per output token, acceptance rate, mean
+accepted length, the share of decode steps the throughput controller let speculate, and the ratio
+to plain decoding measured in the same run (plain and speculative runs alternate).
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ WORKLOADS = {
 }
 
 
-def run(prompts: list[str], batch: int, tokens: int, spec: dict, repeats: int = 1) -> dict:
-    """The median run of `repeats` by tokens/s (short runs on a shared machine are noisy)."""
-    runs = sorted((run_once(prompts, batch, tokens, spec) for _ in range(repeats)), key=lambda r: r["tok_s"])
-    return runs[len(runs) // 2]
+def median(runs: list[dict]) -> dict:
+    """The median run by tokens/s (short runs on a shared machine are noisy)."""
+    return sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
 
 
 def run_once(prompts: list[str], batch: int, tokens: int, spec: dict) -> dict:
@@ -57,9 +57,13 @@ def run_once(prompts: list[str], batch: int, tokens: int, spec: dict) -> dict:
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     seconds = time.perf_counter() - start
     s = engine.stats()
+    # Share of the measured decode-only steps that speculated (the controller's choice).
+    buckets = engine.speculator.controller._buckets.values() if engine.speculator else []
+    on, off = sum(b.samples[True] for b in buckets), sum(b.samples[False] for b in buckets)
     return {"out": out, "seconds": seconds, "tok_s": batch * tokens / seconds,
             "tpot_ms": seconds / tokens * 1e3, "drafts": s.spec_num_drafts,
-            "proposed": s.spec_num_draft_tokens, "accepted": s.spec_num_accepted_tokens}
+            "proposed": s.spec_num_draft_tokens, "accepted": s.spec_num_accepted_tokens,
+            "spec_steps": on / (on + off) if on + off else 0.0}
 
 
 def truncated_draft(layers: int = 4) -> str:
@@ -100,17 +104,23 @@ def main() -> None:
         if method == "draft":
             specs[method]["speculative_model"] = args.draft or truncated_draft()
     print(f"{'workload':<10} {'batch':>5} {'method':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
-          f"{'TPOT ms':>13} {'accept':>7} {'mean accepted':>13} identical")
+          f"{'TPOT ms':>13} {'accept':>7} {'mean accepted':>13} {'spec steps':>10} identical")
     for name, prompts in WORKLOADS.items():
         for batch in map(int, args.batches.split(",")):
-            plain = run(prompts, batch, args.tokens, {}, args.repeats)
-            for method, spec in specs.items():
-                r = run(prompts, batch, args.tokens, spec, args.repeats)
+            # Plain and speculative runs alternate, so that a change in the machine's load hits both.
+            runs: dict[str, list[dict]] = {m: [] for m in ["plain", *specs]}
+            for _ in range(args.repeats):
+                runs["plain"].append(run_once(prompts, batch, args.tokens, {}))
+                for method, spec in specs.items():
+                    runs[method].append(run_once(prompts, batch, args.tokens, spec))
+            plain = median(runs["plain"])
+            for method in specs:
+                r = median(runs[method])
                 rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
                 mean = r["accepted"] / r["drafts"] if r["drafts"] else 0.0
                 print(f"{name:<10} {batch:>5} {method:>6} {plain['tok_s']:>11.0f} {r['tok_s']:>10.0f} "
                       f"{r['tok_s'] / plain['tok_s']:>5.2f}x {plain['tpot_ms']:>6.2f}/{r['tpot_ms']:<6.2f} "
-                      f"{rate:>7.2f} {mean:>13.2f} {plain['out'] == r['out']}", flush=True)
+                      f"{rate:>7.2f} {mean:>13.2f} {r['spec_steps']:>10.2f} {plain['out'] == r['out']}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from kvrelay.kernels import cpu_native, reference
+from kvrelay.kernels.moe_reference import fused_moe
 from kvrelay.kernels.reference import (
     PackedWeight,
     fp8_linear,
@@ -23,6 +24,7 @@ from kvrelay.kernels.reference import (
 __all__ = [
     "fp8_linear",
     "fused_add_rms_norm",
+    "fused_moe",
     "gather_blocks",
     "gelu_tanh_and_mul",
     "int8_matmul",

@@ -8,6 +8,7 @@ Shapes and layout, shared with the Triton kernels (same signatures):
 - A token's slot is block_id * block_size + offset_in_block.
 - block_tables[B, max_blocks] int32: a sequence's blocks in order (unused entries arbitrary).
 - seq_lens[B] int32: tokens of context per sequence, including this step's new tokens.
+- fused_moe (mixture-of-experts MLP) lives in kvrelay.kernels.moe_reference, re-exported here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from kvrelay.kernels.moe_reference import fused_moe  # noqa: F401 - the registry's "fused_moe"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

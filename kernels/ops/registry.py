@@ -45,6 +45,7 @@ OP_NAMES = (
     "fp8_linear",
     "prepack_linear",
     "packed_linear",
+    "fused_moe",
 )
 
 
@@ -68,6 +69,7 @@ class KernelOps:
     packed_linear: Callable
     # Added after the first release: a default, so KernelOps built by keyword elsewhere still work.
     gelu_tanh_and_mul: Callable = reference.gelu_tanh_and_mul
+    fused_moe: Callable = reference.fused_moe  # mixture-of-experts MLP (kvrelay.kernels.moe_reference)
 
 
 def _from_module(backend: str, module: types.ModuleType) -> KernelOps:

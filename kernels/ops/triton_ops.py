@@ -11,6 +11,7 @@ from kvrelay.kernels.triton_decode_attention import paged_decode_attention
 from kvrelay.kernels.triton_fp8 import fp8_linear, quantize_fp8
 from kvrelay.kernels.triton_int8 import int8_matmul, quantize_int8
 from kvrelay.kernels.triton_kv_cache import gather_blocks, scatter_blocks, write_kv
+from kvrelay.kernels.triton_moe import fused_moe
 from kvrelay.kernels.triton_norm import fused_add_rms_norm, rms_norm
 from kvrelay.kernels.triton_prefill_attention import paged_prefill_attention
 from kvrelay.kernels.triton_rotary import rotary_embedding
@@ -18,6 +19,7 @@ from kvrelay.kernels.triton_rotary import rotary_embedding
 __all__ = [
     "fp8_linear",
     "fused_add_rms_norm",
+    "fused_moe",
     "gather_blocks",
     "gelu_tanh_and_mul",
     "int8_matmul",

@@ -115,10 +115,16 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
                 "--served-model-name", spec.model.name, "--dtype", spec.model.dtype]
         if spec.model.quantization != "none":
             args += ["--quantization", spec.model.quantization]
+        par = spec.role(role).parallelism
+        if par.tensor > 1:
+            args += ["--tensor-parallel-size", str(par.tensor)]
+        if par.pipeline > 1:
+            args += ["--pipeline-parallel-size", str(par.pipeline)]
         if role == "decode" and spec.shared_memory.enabled:
             args += ["--kv-shm-bytes", str(spec.shared_memory.size_bytes), "--kv-shm-dir", c.KV_SHM_MOUNT_DIR]
         if role == "prefill" and spec.shared_memory.enabled and spec.shared_memory.prefill_cache:
             args += ["--kv-shared-cache", "--kv-shm-dir", c.KV_SHM_MOUNT_DIR]
+        args += _transport_args(role, spec.transport)
     else:
         args = [
             "gateway",
@@ -139,11 +145,27 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
     return args + list(spec.role(role).args)
 
 
+def _transport_args(role: str, transport: str) -> list[str]:
+    """spec.kvTransfer.transport as worker flags. Decode pods choose the data plane and offer it;
+    prefill pods answer what they are offered. mooncake and rdma are the Mooncake transfer engine
+    (TCP, RDMA), listening on the pod's IP in both roles."""
+    if transport in ("mooncake", "rdma"):
+        args = ["--kv-mooncake-host", f"$({c.POD_IP_ENV})"]  # expanded by the kubelet from env
+        if role == "decode":
+            args += ["--kv-transport", "mooncake", "--kv-mooncake-protocol", "rdma" if transport == "rdma" else "tcp"]
+        return args
+    if transport == "cuda-ipc" and role == "decode":
+        return ["--kv-transport", "cuda-ipc"]
+    return []
+
+
 def _role_env(role: str, spec: InferenceServiceSpec, config: OperatorConfig) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": "KVRELAY_ROLE", "value": role}]
     if role in c.WORKER_ROLES:
         # Published on the load stream: the gateway pairs prefill and decode pods on one node.
         env.append({"name": c.NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+        if spec.transport in ("mooncake", "rdma"):
+            env.append({"name": c.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     if role == "gateway":
         if spec.redis_secret:
             env.append({"name": "KVRELAY_REDIS_URL", "valueFrom": {"secretKeyRef": {
@@ -211,12 +233,21 @@ def build_deployment(
     }
     if rs.resources:
         container["resources"] = normalized_resources(rs.resources)
+    if rs.parallelism.gpus > 1:  # one GPU per tensor/pipeline rank, all in this pod
+        res = container.setdefault("resources", {})
+        for kind in ("requests", "limits"):
+            res.setdefault(kind, {})["nvidia.com/gpu"] = str(rs.parallelism.gpus)
     pod_spec: dict[str, Any] = {"containers": [container]}
     if role == "gateway" and spec.tenants_secret:
         container["volumeMounts"] = [{"name": "tenants", "mountPath": c.TENANTS_MOUNT_DIR, "readOnly": True}]
         pod_spec["volumes"] = [{"name": "tenants", "secret": {"secretName": spec.tenants_secret.name}}]
     if role in c.WORKER_ROLES and spec.shared_memory.enabled:
         _add_shared_memory(owner, role, spec, container, pod_spec)
+    if role in c.WORKER_ROLES and spec.transport == "cuda-ipc":
+        # CUDA IPC handles open only in a shared IPC namespace, between pods on one node.
+        pod_spec["hostIPC"] = True
+        if role == "prefill":
+            _prefer_decode_nodes(owner, pod_spec)
     if rs.node_selector:
         pod_spec["nodeSelector"] = dict(rs.node_selector)
     if rs.tolerations:
@@ -251,11 +282,16 @@ def _add_shared_memory(owner: Owner, role: str, spec: InferenceServiceSpec, cont
     pod_spec["volumes"] = [*pod_spec.get("volumes", []), {
         "name": c.KV_SHM_VOLUME, "hostPath": {"path": spec.shared_memory.host_path, "type": "Directory"}}]
     if role == "prefill":
-        pod_spec["affinity"] = {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
-            "weight": 100,
-            "podAffinityTerm": {"labelSelector": {"matchLabels": selector(owner, "decode")},
-                                "topologyKey": c.NODE_HOSTNAME_LABEL},
-        }]}}
+        _prefer_decode_nodes(owner, pod_spec)
+
+
+def _prefer_decode_nodes(owner: Owner, pod_spec: dict[str, Any]) -> None:
+    """Prefill pods prefer nodes that run a decode pod of this service (same-node data planes)."""
+    pod_spec["affinity"] = {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 100,
+        "podAffinityTerm": {"labelSelector": {"matchLabels": selector(owner, "decode")},
+                            "topologyKey": c.NODE_HOSTNAME_LABEL},
+    }]}}
 
 
 def build_service(owner: Owner, role: str) -> dict[str, Any]:

@@ -39,6 +39,7 @@ GATEWAY_METRICS_PORT = 9090  # the gateway's /metrics, apart from its API port
 
 DEFAULT_IMAGE = "ghcr.io/kvrelay/kvrelay:0.1.0"  # overridden by KVRELAY_IMAGE (set by the chart)
 TENANTS_MOUNT_DIR = "/etc/kvrelay/tenants"
+POD_IP_ENV = "KVRELAY_POD_IP"  # the pod's IP (downward API): where its Mooncake transfer engine listens
 KV_SHM_MOUNT_DIR = "/kv-shm"  # where prefill and decode pods mount spec.kvTransfer.sharedMemory.hostPath
 KV_SHM_VOLUME = "kv-shm"
 NODE_HOSTNAME_LABEL = "kubernetes.io/hostname"

@@ -14,7 +14,9 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "int8")  # what the engine implements
-TRANSPORTS = ("grpc",)  # RDMA (UCX/NIXL) is designed for (docs/ARCHITECTURE.md), not built
+# grpc: K/V inline on the control stream; mooncake: the Mooncake transfer engine over TCP (any node);
+# rdma: the same over RDMA; cuda-ipc: GPU to GPU between pods on one node (kvrelay.kvtransfer).
+TRANSPORTS = ("grpc", "mooncake", "rdma", "cuda-ipc")
 # Kubernetes quantity suffixes, for sizes given as strings ("2Gi", "512M").
 _QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
                    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -24,6 +26,20 @@ METRICS = ("queueDepth",)
 
 class InvalidSpec(ValueError):
     """The resource's spec cannot be reconciled; the message says which field and why."""
+
+
+@dataclass(frozen=True)
+class ParallelismSpec:
+    """A worker pod's engine split over its GPUs: --tensor-parallel-size x --pipeline-parallel-size
+    worker processes, one GPU each."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    gpus_per_node: int | None = None  # None: not checked
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.pipeline
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,7 @@ class RoleSpec:
     image: str | None = None
     args: list[str] = field(default_factory=list)
     env: list[dict[str, Any]] = field(default_factory=list)
+    parallelism: ParallelismSpec = ParallelismSpec()
 
     @property
     def autoscaled(self) -> bool:
@@ -148,6 +165,27 @@ def _list(src: Mapping[str, Any], key: str, path: str) -> list[Any]:
     return list(value)
 
 
+def _parallelism(value: Any, path: str, resources: Mapping[str, Any]) -> ParallelismSpec:
+    src = _obj(value, path)
+    if not src:
+        return ParallelismSpec()
+    if path.startswith("spec.gateway"):
+        raise InvalidSpec(f"{path}: only the prefill and decode roles run a model")
+    gpn = src.get("gpusPerNode")
+    par = ParallelismSpec(tensor=_int(src, "tensor", path, 1, minimum=1),
+                          pipeline=_int(src, "pipeline", path, 1, minimum=1),
+                          gpus_per_node=None if gpn is None else _int(src, "gpusPerNode", path, 1, minimum=1))
+    if par.gpus_per_node is not None and par.gpus > par.gpus_per_node:
+        raise InvalidSpec(f"{path}: tensor x pipeline = {par.gpus} GPUs exceeds gpusPerNode {par.gpus_per_node}; "
+                          f"ranks across nodes (LeaderWorkerSet) are not implemented in this release")
+    for kind in ("requests", "limits"):
+        asked = _obj(resources.get(kind), f"{path}.resources.{kind}").get("nvidia.com/gpu")
+        if par.gpus > 1 and asked is not None and str(asked) != str(par.gpus):
+            raise InvalidSpec(f"{path}: tensor x pipeline = {par.gpus} GPUs, but resources.{kind} asks for "
+                              f"nvidia.com/gpu {asked}; drop it (the operator sets it) or make them equal")
+    return par
+
+
 def _role(value: Any, path: str) -> RoleSpec:
     src = _obj(value, path)
     role = RoleSpec(
@@ -160,6 +198,8 @@ def _role(value: Any, path: str) -> RoleSpec:
         image=src.get("image") or None,
         args=[str(a) for a in _list(src, "args", path)],
         env=_list(src, "env", path),
+        parallelism=_parallelism(src.get("parallelism"), f"{path}.parallelism",
+                                 _obj(src.get("resources"), f"{path}.resources")),
     )
     if role.min_replicas > role.max_replicas:
         raise InvalidSpec(
@@ -184,9 +224,6 @@ def _bytes(value: Any, path: str) -> int:
 def _kv_transfer(value: Any) -> tuple[str, SharedMemorySpec]:
     path = "spec.kvTransfer"
     src = _obj(value, path)
-    if src.get("transport") == "rdma":
-        raise InvalidSpec(f"{path}.transport: rdma is not implemented in this release (no UCX or NIXL); use grpc, "
-                          f"and {path}.sharedMemory for prefill and decode pods on one node")
     transport = _enum(src, "transport", path, TRANSPORTS)
     shm_src = _obj(src.get("sharedMemory"), f"{path}.sharedMemory")
     if not shm_src:

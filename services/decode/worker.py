@@ -33,6 +33,8 @@ from kvrelay.kvtransfer.errors import (
     WorkerUnavailableError,
 )
 from kvrelay.kvtransfer.layout import DirectChunk, ReceivedChunk
+from kvrelay.kvtransfer.planes import BUILTIN as BUILTIN_PLANES
+from kvrelay.kvtransfer.planes import builtin_transport
 from kvrelay.kvtransfer.shm import DOORBELL_SUFFIX, ShmArena, SourceCaches
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.transport import GrpcKVTransport, HandoffRequest, KVDestination, KVTransport
@@ -61,7 +63,10 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
                  transport: KVTransport | None = None):
         super().__init__(engine, options)
         self.arena = self.doorbell = None
-        if transport is None and self.options.kv_transport:
+        if transport is None and self.options.kv_transport in BUILTIN_PLANES:
+            transport = builtin_transport(self.options.kv_transport, self.layout, self.options, self.metrics,
+                                          engine.engine.device)
+        elif transport is None and self.options.kv_transport:
             transport = plugin_transport(self.options.kv_transport, self.layout, self.options)
         if transport is None and self.options.kv_shm_bytes:
             self.arena = ShmArena(self.options.kv_shm_bytes, self.options.kv_shm_dir)
@@ -226,6 +231,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         m = self.metrics
         m.kv_seconds.observe(result.seconds)
         m.kv_bytes.inc(result.bytes)
+        m.kv_plane_seconds.labels(result.plane).observe(result.seconds)
+        m.kv_plane_bytes.labels(result.plane).inc(result.bytes)
         m.kv_overlap_bytes.inc(result.bytes_before_compute_done)
         if result.seconds > 0:
             m.kv_speed.observe(result.bytes / result.seconds / 1e9)
@@ -252,6 +259,10 @@ def _write_blocks(llm, rid: str, block_ids: list[int], batch: list[ReceivedChunk
         ids = torch.tensor(block_ids, dtype=torch.long, device=llm.device)
         for chunk in batch:
             r = chunk.range
+            if llm.executor is not None:  # tensor/pipeline parallel: each rank writes its heads and layers
+                llm.executor.scatter_blocks(block_ids[r.block_start:r.block_end], chunk.checked_tensor(),
+                                            r.layer_start, r.layer_end)
+                continue
             if isinstance(chunk, DirectChunk):  # from the prefill worker's shared cache, checked after
                 chunk.copy_into(llm.kv_cache, block_ids[r.block_start:r.block_end])
                 continue

@@ -65,6 +65,8 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
             self._thread = None
+        if hasattr(self.engine, "close"):  # parallel worker processes, if any
+            self.engine.close()
 
     @property
     def is_running(self) -> bool:

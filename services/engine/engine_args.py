@@ -67,8 +67,8 @@ class EngineArgs:
     num_speculative_tokens: int = 4  # K: proposed tokens per sequence and step
     ngram_min: int = 2  # a single-token match proposes mostly noise
     ngram_max: int = 4
-    speculative_disable_batch_size: int = 32
-    speculative_adaptive: bool = True  # measure, per batch size, whether speculating is faster  # no speculation in steps with more running sequences
+    speculative_disable_batch_size: int = 32  # no speculation in steps with more running sequences
+    speculative_adaptive: bool = True  # measure, per batch size, whether speculating is faster
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -77,6 +77,9 @@ class EngineArgs:
     kernel_backend: str = "auto"  # auto | torch | native | triton
     device: str = "auto"  # auto | cpu | cuda
     dummy_seed: int = 0  # random weights of --load-format dummy
+    tensor_parallel_size: int = 1  # worker processes splitting each layer (kvrelay.engine.parallel)
+    pipeline_parallel_size: int = 1  # worker processes holding contiguous layer stages
+    enable_expert_parallel: bool = False  # MoE: the tensor-parallel ranks hold disjoint experts
     plugins: str | None = None  # "a,b": load only these plugins (default: $KVRELAY_PLUGINS, else all)
 
     @staticmethod
@@ -153,6 +156,19 @@ class EngineArgs:
         )
         parser.add_argument(
             "--dummy-seed", type=int, default=d.dummy_seed, help="seed of --load-format dummy weights"
+        )
+        parser.add_argument(
+            "--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+            help="split every layer over this many worker processes, one per GPU (gloo on CPU, NCCL on CUDA)",
+        )
+        parser.add_argument(
+            "--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
+            help="split the layers into this many contiguous stages, each on its own tensor-parallel group",
+        )
+        parser.add_argument(
+            "--enable-expert-parallel", action="store_true",
+            help="mixture-of-experts models: each tensor-parallel rank holds num_experts / size experts (and "
+            "loads only those) instead of every expert; their outputs are summed by one all-reduce per layer",
         )
         parser.add_argument(
             "--plugins", default=None,

@@ -14,6 +14,9 @@ class InvalidRequestError(EngineError, ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self):  # pickled across the engine-core process boundary with its field
+        return type(self), (str(self), self.field)
+
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus max_tokens) does not fit the model's context or the configured limit."""
@@ -22,6 +25,9 @@ class PromptTooLongError(InvalidRequestError):
         super().__init__(message, field)
         self.num_tokens = num_tokens
         self.limit = limit
+
+    def __reduce__(self):
+        return type(self), (str(self), self.num_tokens, self.limit, self.field)
 
 
 class ModelLoadError(EngineError):

@@ -15,15 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from kvrelay.engine import architectures, logits_processors
+from kvrelay.engine import logits_processors
 from kvrelay.engine.block_pool import BlockPool, cache_root
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.engine_args import EngineArgs, cpu_kv_cache_blocks
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from kvrelay.engine.handoff import HandoffMixin
 from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
-from kvrelay.engine.model import DecoderModel
 from kvrelay.engine.model_config import load_model_config, parse_dtype
+from kvrelay.engine.model_loader import load_model
 from kvrelay.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from kvrelay.engine.runner.cuda_graphs import bucket_sizes
 from kvrelay.engine.runner.memory import plan_kv_cache
@@ -36,7 +36,6 @@ from kvrelay.engine.spec_decode.draft import DraftModel, kv_bytes_per_block, loa
 from kvrelay.engine.spec_decode.speculator import SpecConfig, Speculator, check_config
 from kvrelay.engine.spec_decode.verify import verify
 from kvrelay.engine.tokenizer import Tokenizer
-from kvrelay.engine.weights import assemble, dummy_tensors, pack_linears, quantize_linears, read_tensors
 from kvrelay.kernels.registry import cpu_backend, get_ops
 
 from kvrelay.plugins import load_plugins
@@ -105,29 +104,24 @@ class LLMEngine(HandoffMixin):
                 )
             self.max_model_len = args.max_model_len
 
-        if args.load_format == "dummy":
-            tensors = dummy_tensors(self.config, self.dtype, seed=args.dummy_seed)
-        elif args.load_format == "auto":
-            tensors = read_tensors(model_dir, self.config, self.dtype)
+        # --tensor/pipeline-parallel-size: worker processes hold the model and the KV cache; this
+        # process keeps the scheduler and the sampler (kvrelay.engine.parallel.executor).
+        self.executor = None
+        if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+            from kvrelay.engine.parallel.executor import start_executor
+
+            self.executor = start_executor(args, self.config, self.dtype, self.device, self.ops.backend,
+                                           self.max_model_len, kv_cache_storage, spec)
+            self.model, self.device = self.executor, torch.device("cpu")  # logits come back to the CPU
         else:
-            raise ValueError(f"load format must be 'auto' or 'dummy', got {args.load_format!r}")
-        weights = assemble(self.config, {k: v.to(self.device) for k, v in tensors.items()})
-        if args.quantization == "int8":
-            quantize_linears(weights, self.ops.quantize_int8)
-        elif args.quantization == "fp8":
-            if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
-                raise ValueError("--quantization fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, "
-                                 "Hopper or newer); use --quantization int8 on this GPU")
-            quantize_linears(weights, self.ops.quantize_fp8)
-        elif args.quantization is not None:
-            raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {args.quantization!r}")
-        pack_linears(weights, self.ops.prepack_linear)
-        build_model = architectures.get(self.config.architecture).build_model or DecoderModel
-        self.model = build_model(self.config, weights, self.ops, self.max_model_len)
+            self.model = load_model(args, model_dir, self.config, self.dtype, self.device, self.ops,
+                                    self.max_model_len)
 
         cfg = self.config
         bs = args.block_size
         bytes_per_block = kv_bytes_per_block(cfg, self.dtype, bs)
+        if self.executor is not None:  # per rank: its heads and its stage's layers
+            bytes_per_block = self.executor.kv_bytes_per_block(bs)
         sizing_bytes = bytes_per_block  # per block id: the target's K/V, and the draft's
         draft = None
         if spec is not None and spec.method == "draft":  # its KV cache shares the target's block ids
@@ -142,6 +136,9 @@ class LLMEngine(HandoffMixin):
             num_blocks = args.num_kv_blocks
         elif args.kv_cache_memory is not None:
             num_blocks = args.kv_cache_memory // sizing_bytes
+        elif self.executor is not None:
+            cpu_blocks = cpu_kv_cache_blocks(sizing_bytes, bs, args.max_num_seqs, self.max_model_len)
+            num_blocks = self.executor.planned_blocks(sizing_bytes, cpu_blocks * sizing_bytes)
         elif self.device.type == "cuda":
             plan = plan_kv_cache(
                 self.model, cfg, self.dtype, self.device, args.gpu_memory_utilization, bs,
@@ -158,7 +155,10 @@ class LLMEngine(HandoffMixin):
                 f"sequence of max_model_len {self.max_model_len}: raise --kv-cache-memory or lower --max-model-len"
             )
         shape = (cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-        if kv_cache_storage is not None:  # zeroed and committed by the storage already
+        if self.executor is not None:  # each rank holds its part; the driver only the block table
+            self.executor.allocate(num_blocks)
+            self.kv_cache = torch.zeros((*shape[:2], 0, *shape[3:]), dtype=self.dtype)
+        elif kv_cache_storage is not None:  # zeroed and committed by the storage already
             if self.device.type != "cpu":
                 raise ValueError("a KV cache in shared host memory needs --device cpu")
             self.kv_cache = kv_cache_storage(num_blocks * bytes_per_block).view(self.dtype).view(shape)
@@ -173,6 +173,8 @@ class LLMEngine(HandoffMixin):
                                   args.max_num_batched_tokens)
         if use_graphs:
             self.runner.capture_graphs()
+        if hasattr(self.model, "reset_expert_load"):  # MoE: drop the planner's and graph warm-ups' counts
+            self.model.reset_expert_load()
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy, bs,
@@ -201,7 +203,7 @@ class LLMEngine(HandoffMixin):
         log.info(
             "engine ready: %s (%s, %s) on %s, kernels %s, KV cache %d blocks of %d tokens (%.0f MiB), "
             "max_model_len %d", self.model_name, cfg.architecture, dtype_name, self.device, self.ops.backend,
-            num_blocks, bs, self.kv_cache.numel() * self.dtype.itemsize / 2**20, self.max_model_len,
+            num_blocks, bs, num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
 
     # ---- requests -----------------------------------------------------------------------------
@@ -341,8 +343,15 @@ class LLMEngine(HandoffMixin):
             outputs.append(self._output(seq, [], seq.detok.take(final=True)))
         return outputs
 
+    def close(self) -> None:
+        """Stop the parallel worker processes (nothing to do in one process)."""
+        if self.executor is not None:
+            self.executor.close()
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._deferred)
+        # A dead parallel worker is work: the next step raises, so the engine fails at once.
+        failed = self.executor is not None and self.executor.failed is not None
+        return self.scheduler.has_work() or bool(self._deferred) or failed
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -355,7 +364,9 @@ class LLMEngine(HandoffMixin):
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            expert_load=getattr(self.model, "expert_load", None),
             **self._spec_stats(),
+            **(self.executor.stats.as_engine_stats() if self.executor is not None else {}),
         )
 
     def _spec_stats(self) -> dict:
@@ -369,6 +380,8 @@ class LLMEngine(HandoffMixin):
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.executor is not None:
+            self.executor.check()
         step = self.scheduler.schedule()
         if not step.seqs:
             return self._flush_deferred()

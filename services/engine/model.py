@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from kvrelay.engine.model_config import ModelConfig, rope_cos_sin_cache
+from kvrelay.engine.parallel.layers import all_reduce, gather_vocab_logits, vocab_parallel_embedding
+from kvrelay.engine.parallel.state import get_parallel_state
 from kvrelay.engine.rope import rope_cos_sin_table
-from kvrelay.engine.weights import Linear, ModelWeights
+from kvrelay.engine.weights import LayerWeights, Linear, ModelWeights
 from kvrelay.kernels.registry import KernelOps
 
 
@@ -33,8 +35,18 @@ class DecoderModel:
     Llama layout, plus Gemma's sandwich norms, GeGLU, embedding scale, soft-capping and per-layer
     sliding windows. Branches depend on the config only, never on tensor values (CUDA graphs)."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, ops: KernelOps, max_positions: int):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, ops: KernelOps, max_positions: int,
+                 vocab_size: int | None = None):
+        """Under tensor parallelism config is the rank's own (its heads and MLP columns, its stage's
+        layers) and vocab_size the full vocabulary, which the gathered logits span."""
         self.config = config
+        self.parallel = get_parallel_state()
+        self.vocab_size = vocab_size or config.vocab_size
+        if self.parallel.tp_size > 1:  # row-parallel outputs are partial sums: one all-reduce each
+            for lw in weights.layers:
+                lw.o_proj.all_reduce = True
+                if lw.down is not None:  # None in a sparse (MoE) layer: its experts combine themselves
+                    lw.down.all_reduce = True
         self.w = weights
         self.ops = ops
         device = weights.embed.device
@@ -68,22 +80,42 @@ class DecoderModel:
     def _linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.scale is not None:
             if lin.weight.dtype == torch.float8_e4m3fn:
-                return self.ops.fp8_linear(x, lin.weight, lin.scale, lin.bias)
-            return self.ops.int8_matmul(x, lin.weight, lin.scale, lin.bias)
-        if lin.packed is not None:
-            return self.ops.packed_linear(x, lin.packed, lin.bias)
-        return F.linear(x, lin.weight, lin.bias)
+                out = self.ops.fp8_linear(x, lin.weight, lin.scale, lin.bias)
+            else:
+                out = self.ops.int8_matmul(x, lin.weight, lin.scale, lin.bias)
+        elif lin.packed is not None:
+            out = self.ops.packed_linear(x, lin.packed, lin.bias)
+        else:
+            out = F.linear(x, lin.weight, lin.bias)
+        return all_reduce(out) if lin.all_reduce else out
+
+    def mlp(self, layer_idx: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward block: the gated MLP (MoE models override it, kvrelay.engine.moe_layer)."""
+        return self._linear(self.act(self._linear(x, lw.gate_up)), lw.down)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Runs the step, writing new K/V into kv_cache; returns fp32 logits [S, vocab]."""
+        hidden, residual = self.run_layers(batch, kv_cache, self.embed(batch.input_ids), None)
+        return self.compute_logits(batch, hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size > 1:
+            hidden = vocab_parallel_embedding(input_ids, self.w.embed, self.parallel)
+        else:
+            hidden = F.embedding(input_ids, self.w.embed)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        return hidden
+
+    @torch.inference_mode()
+    def run_layers(self, batch: StepBatch, kv_cache: torch.Tensor, hidden: torch.Tensor,
+                   residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This model's layers (a pipeline stage's, under pipeline parallelism): (hidden, residual)
+        in, (hidden, residual) out; residual None before the first layer."""
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
         nd = batch.num_decode
-        hidden = F.embedding(batch.input_ids, self.w.embed)
-        if self.embed_scale is not None:
-            hidden = hidden * self.embed_scale
-        residual = None
         for layer_idx, lw in enumerate(self.w.layers):
             if residual is None:
                 x, residual = ops.rms_norm(hidden, lw.input_norm, eps), hidden
@@ -130,18 +162,25 @@ class DecoderModel:
             if cfg.sandwich_norms:
                 hidden = ops.rms_norm(hidden, lw.post_norm, eps)
                 x, residual = ops.fused_add_rms_norm(hidden, residual, lw.pre_ffn_norm, eps)
-                hidden = ops.rms_norm(self._linear(self.act(self._linear(x, lw.gate_up)), lw.down),
-                                      lw.post_ffn_norm, eps)
+                hidden = ops.rms_norm(self.mlp(layer_idx, lw, x), lw.post_ffn_norm, eps)
             else:
                 x, residual = ops.fused_add_rms_norm(hidden, residual, lw.post_norm, eps)
-                hidden = self._linear(self.act(self._linear(x, lw.gate_up)), lw.down)
+                hidden = self.mlp(layer_idx, lw, x)
+        return hidden, residual
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: StepBatch, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The final norm and LM head over the rows that sample: fp32 logits [S, vocab]."""
+        cfg, eps = self.config, self.config.rms_norm_eps
         hidden = hidden.index_select(0, batch.logits_indices)
         residual = residual.index_select(0, batch.logits_indices)
-        x, _ = ops.fused_add_rms_norm(hidden, residual, self.w.norm, eps)
+        x, _ = self.ops.fused_add_rms_norm(hidden, residual, self.w.norm, eps)
         if self.w.lm_head_packed is not None:
             logits = self.ops.packed_linear(x, self.w.lm_head_packed).float()
         else:
             logits = F.linear(x, self.w.lm_head).float()
+        if self.parallel.tp_size > 1:  # each rank scored its vocabulary rows
+            logits = gather_vocab_logits(logits, self.vocab_size, self.parallel)
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits

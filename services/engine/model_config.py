@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from kvrelay.engine.errors import ModelLoadError
@@ -49,6 +50,8 @@ class ModelConfig:
     # Per layer: its sliding window (None: full attention). Empty: sliding_window on every layer.
     layer_windows: tuple[int | None, ...] = ()
     local_rope_theta: float | None = None  # Gemma 3: sliding layers use default rope with this base
+    # Mixture of experts (kvrelay.engine.architectures.moe.MoEConfig); None for a dense model.
+    moe: Any = None
 
     @property
     def q_size(self) -> int:

@@ -7,6 +7,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from kvrelay.engine.errors import ModelLoadError
@@ -25,6 +26,7 @@ class Linear:
     bias: torch.Tensor | None = None
     scale: torch.Tensor | None = None  # set when weight is int8 or float8_e4m3fn
     packed: PackedWeight | None = None
+    all_reduce: bool = False  # row-parallel (tensor parallel): the output is a partial sum over ranks
 
 
 @dataclass
@@ -35,12 +37,20 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: Linear  # gate and up fused along the output dim
-    down: Linear
+    gate_up: Linear | None  # gate and up fused along the output dim (None in an MoE layer)
+    down: Linear | None
     # Sandwich norms (Gemma): post_norm then normalises the attention output, and these two
     # surround the MLP. None for the Llama layout, where post_norm precedes the MLP.
     pre_ffn_norm: torch.Tensor | None = None
     post_ffn_norm: torch.Tensor | None = None
+    # A mixture-of-experts layer's router, experts and shared expert
+    # (kvrelay.engine.architectures.moe.MoEWeights), in place of gate_up and down.
+    moe: Any = None
+
+    def linears(self) -> list[Linear]:
+        """Every dense projection of the layer (the MoE layer's shared expert included)."""
+        extra = self.moe.linears() if self.moe is not None else []
+        return [lin for lin in (self.qkv, self.o_proj, self.gate_up, self.down, *extra) if lin is not None]
 
 
 @dataclass
@@ -150,8 +160,10 @@ def quantize_linears(weights: ModelWeights, quantize) -> None:
     """Replace every projection inside the decoder layers with quantized (int8 or fp8) weights +
     per-row scales; quantize is the kernel op (quantize_int8 or quantize_fp8)."""
     for layer in weights.layers:
-        for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+        for lin in layer.linears():
             lin.weight, lin.scale = quantize(lin.weight)
+        if layer.moe is not None:
+            layer.moe.quantize_experts(quantize)
 
 
 def pack_linears(weights: ModelWeights, prepack_linear) -> None:
@@ -159,7 +171,7 @@ def pack_linears(weights: ModelWeights, prepack_linear) -> None:
     (prepack_linear returns None where not), dropping the unpacked copy. A tied LM head is packed
     as a copy: the embedding stays for lookups."""
     for layer in weights.layers:
-        for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+        for lin in layer.linears():
             if lin.scale is None and (packed := prepack_linear(lin.weight)) is not None:
                 lin.weight, lin.packed = None, packed
     if (packed := prepack_linear(weights.lm_head)) is not None:

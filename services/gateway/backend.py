@@ -13,7 +13,8 @@ yields increments until all `n` samples finish, and ends with finish_reason "abo
 `capacity` is how many sequences the backend runs at once: past it the gateway queues.
 
 Implementations:
-- `LocalBackend`: an in-process AsyncEngine (`kvrelay serve`).
+- `LocalBackend`: an AsyncEngine in this process, or, given an EngineProcess (`kvrelay serve`),
+  the same API through `kvrelay.engine.core.client` to the engine running in a process of its own.
 - `DisaggregatedBackend` (`kvrelay.gateway.disaggregated`; `kvrelay gateway`,
   `kvrelay serve --disaggregated`): routes each request to prefill workers (prefix affinity +
   load) and a decode worker (load) chosen by `kvrelay.gateway.routing`, through the workers'
@@ -23,6 +24,7 @@ Implementations:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -60,41 +62,64 @@ class Backend(Protocol):
 
 
 class LocalBackend:
-    """An AsyncEngine in this process. The engine is built in `start()` (inside the loop)."""
+    """An AsyncEngine in this process, or the client of an engine-core process. The engine (or the
+    client) is built in `start()`, inside the loop."""
 
     roles = ("engine",)
 
-    def __init__(self, engine_args, watchdog=None, stats_interval_s: float = 10.0):
+    def __init__(self, engine_args, process=None, watchdog=None, stats_interval_s: float = 10.0):
         self.engine_args = engine_args
-        self.stats_interval_s = stats_interval_s
-        self.stats_logger = None
+        self.process = process  # kvrelay.engine.core.client.EngineProcess, or None: in this process
         self.engine = None
         self._started = False
-        self.watchdog_config = watchdog  # kvrelay.kvtransfer.watchdog.WatchdogConfig; None: its defaults
+        self.on_dead = None  # fn(error), called once if the engine's step loop crashes (serve exits)
+        # In this process: its step-loop watchdog (kvrelay.kvtransfer.watchdog.WatchdogConfig; None:
+        # the defaults). The engine-core process runs its own and reports its verdict.
+        self.watchdog_config = watchdog
         self.watchdog = None
+        self.stats_interval_s = stats_interval_s
+        self.stats_logger = None
 
     async def start(self) -> None:
-        import os
+        if self.process is not None:
+            from kvrelay.engine.core.client import EngineCoreClient
 
-        from kvrelay.engine.async_engine import AsyncEngine
-        from kvrelay.kvtransfer.watchdog import HANG_AFTER_STEPS_ENV, Watchdog, install_hang_hook
+            self.engine = EngineCoreClient(self.process)
+        else:
+            import os
 
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
-        self.engine = AsyncEngine(self.engine_args)
-        hang = os.environ.get(HANG_AFTER_STEPS_ENV)
-        install_hang_hook(self.engine, int(hang) if hang else None)
+            from kvrelay.engine.async_engine import AsyncEngine
+            from kvrelay.kvtransfer.watchdog import HANG_AFTER_STEPS_ENV, install_hang_hook
+
+            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+            self.engine = AsyncEngine(self.engine_args)
+            hang = os.environ.get(HANG_AFTER_STEPS_ENV)
+            install_hang_hook(self.engine, int(hang) if hang else None)
         await self.engine.start()
-        self.watchdog = Watchdog(self.engine, self.watchdog_config, "serve")
-        self.watchdog.start()
+        if self.process is None:
+            from kvrelay.kvtransfer.watchdog import Watchdog
+
+            self.watchdog = Watchdog(self.engine, self.watchdog_config, "serve")
+            self.watchdog.start()
         from kvrelay.engine.stats_logger import StatsLogger
 
         self.stats_logger = StatsLogger(self.engine.stats, self.stats_interval_s, "serve engine")
         self.stats_logger.start()
         self._started = True
+        if self.process is None:  # an engine-core process is watched as a process by serve
+            self._dead_watch = asyncio.create_task(self._watch_dead())
+
+    async def _watch_dead(self) -> None:
+        error = await self.engine.wait_dead()
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     def alive(self) -> bool:
-        """False while the watchdog finds the engine's step loop hung (liveness)."""
-        return self.watchdog is None or self.watchdog.healthy
+        """False while a watchdog (this process's, or the engine-core process's) finds the engine's
+        step loop hung (liveness)."""
+        if self.watchdog is not None and not self.watchdog.healthy:
+            return False
+        return not getattr(self.engine, "unhealthy", None)
 
     @property
     def model_name(self) -> str:

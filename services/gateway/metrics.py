@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvrelay.kvtransfer.metrics import spec_decode_metrics
+from kvrelay.kvtransfer.metrics import expert_load_metrics, parallel_metrics, spec_decode_metrics
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -50,7 +50,7 @@ class _GaugeCollector:
 
 class _EngineCounters:
     """Counters of an in-process engine (`serve`) that the workers export too: prefix cache,
-    preemptions, speculative decoding."""
+    preemptions, speculative decoding, expert load."""
 
     def __init__(self, stats: Callable[[], object | None]):
         self._stats = stats
@@ -66,6 +66,8 @@ class _EngineCounters:
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield from spec_decode_metrics(s)
+        yield from parallel_metrics(s)
+        yield from expert_load_metrics(s)
 
 
 class GatewayMetrics:

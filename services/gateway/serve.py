@@ -1,4 +1,4 @@
-"""`kvrelay serve`: the gateway and an in-process engine in one process (the README's command).
+"""`kvrelay serve`: the gateway, and the engine in a process of its own (the README's command).
 
 By default: the bundled model, an open `default` tenant, in-memory quotas. `--tenants FILE`
 turns on API keys and quotas; `--redis-url` shares quotas between several such processes.
@@ -106,9 +106,12 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                                                    args.max_connections_per_client))
 
 
-def run_app(app, args: argparse.Namespace, supervisor=None) -> int:
-    """Serve app until SIGTERM/SIGINT (returns 0), until the in-process engine's watchdog gives up, or
-    until supervisor (`serve --disaggregated`'s local workers) cannot bring a worker back (returns 1)."""
+def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = (), backend=None,
+            supervisor=None) -> int:
+    """Serve app until SIGTERM/SIGINT (returns 0), or return 1: when a process in watch exits (the
+    engine-core process), when the in-process engine of backend stops after an error or its watchdog
+    gives up on a hung step loop, or when supervisor (`serve --disaggregated`'s local workers)
+    cannot bring a worker back."""
     import uvicorn
 
     limits = app.state.gateway.config.frontdoor
@@ -130,6 +133,25 @@ def run_app(app, args: argparse.Namespace, supervisor=None) -> int:
 
     threading.Thread(target=watch_engine, daemon=True).start()
 
+    def wait_for(role: str, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if not server.should_exit:
+            log.error("kvrelay serve: the %s process exited with code %s; stopping", role, code)
+            lost.append(role)
+            server.should_exit = True  # read by uvicorn's main loop on its next tick
+
+    for role, proc in watch:
+        threading.Thread(target=wait_for, args=(role, proc), daemon=True).start()
+
+    def engine_died(error: BaseException) -> None:
+        if not server.should_exit:
+            log.error("kvrelay serve: the engine stopped after an error; exiting: %s", error)
+            lost.append("engine")
+            server.should_exit = True
+
+    if backend is not None:
+        backend.on_dead = engine_died
+
     def give_up(role: str) -> None:
         lost.append(role)
         server.should_exit = True  # read by uvicorn's main loop on its next tick
@@ -144,6 +166,8 @@ def run_app(app, args: argparse.Namespace, supervisor=None) -> int:
                                               registry=app.state.gateway.metrics.registry)
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it already handled: a clean stop
+        pass
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
@@ -154,6 +178,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_gateway_arguments(parser)
     parser.add_argument("--disaggregated", action="store_true",
                         help="run one prefill and one decode worker process locally and route through them")
+    parser.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine's step loop in the API process instead of a process of its own "
+                             "(they then share one GIL: higher added latency; for debugging)")
     parser.add_argument("--kv-shm-bytes", type=parse_bytes, default=0,
                         help="with --disaggregated: hand K/V over through a shared-memory arena of this size in "
                              "/dev/shm (e.g. 256MiB) instead of inline on gRPC; 0: off")
@@ -179,10 +206,22 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     if args.disaggregated:
         return run_disaggregated(args)
+    engine_args = EngineArgs.from_cli(args)
     watchdog = WatchdogConfig(args.watchdog_timeout, grace_s=args.watchdog_grace)
-    backend = LocalBackend(EngineArgs.from_cli(args), watchdog, args.stats_interval)
-    gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
-    return run_app(create_app(gateway), args)
+    if args.engine_in_process:
+        backend = LocalBackend(engine_args, watchdog=watchdog, stats_interval_s=args.stats_interval)
+        gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
+        return run_app(create_app(gateway), args, backend=backend)
+    from kvrelay.engine.core.client import EngineProcess
+
+    tenants = load_tenants(args)  # its errors first, before a model loads
+    process = EngineProcess.start(engine_args, args.log_level, watchdog)
+    try:
+        backend = LocalBackend(engine_args, process, stats_interval_s=args.stats_interval)
+        gateway = Gateway(backend, tenants, build_quota(args), gateway_config(args))
+        return run_app(create_app(gateway), args, [("engine", process)])
+    finally:
+        process.stop()
 
 
 def load_tenants(args: argparse.Namespace) -> TenantRegistry:
@@ -200,6 +239,8 @@ def start_worker(role: str, args: argparse.Namespace, port: int = 0) -> subproce
         cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.served_model_name:
         cmd += ["--served-model-name", args.served_model_name]
+    cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size),
+            "--pipeline-parallel-size", str(args.pipeline_parallel_size)]
     if role == "decode":
         cmd += ["--kv-shm-bytes", str(args.kv_shm_bytes)]
     elif args.kv_shared_cache and args.kv_shm_bytes:
@@ -234,6 +275,6 @@ def run_disaggregated(args: argparse.Namespace) -> int:
         args.dns_refresh = 5.0
         backend = build_backend(args, supervisor.addresses["prefill"], supervisor.addresses["decode"])
         gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
-        return run_app(create_app(gateway), args, supervisor)
+        return run_app(create_app(gateway), args, supervisor=supervisor)
     finally:
         supervisor.stop()

@@ -37,6 +37,49 @@ class EngineStatsCollector:
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield from spec_decode_metrics(s)
+        yield from parallel_metrics(s)
+        yield from expert_load_metrics(s)
+
+
+def parallel_metrics(s):
+    """Tensor/pipeline parallel step and communication totals (only when the engine runs ranks)."""
+    if not s.parallel_steps:
+        return
+    yield CounterMetricFamily("kvrelay:parallel_steps", "Steps run by the parallel worker processes.",
+                              value=s.parallel_steps)
+    yield CounterMetricFamily("kvrelay:parallel_step_seconds", "Step time of TP rank 0 of the last pipeline stage.",
+                              value=s.parallel_step_seconds)
+    seconds = CounterMetricFamily("kvrelay:parallel_comm_seconds",
+                                  "Communication time of TP rank 0 of the last stage, by kind (all_reduce, "
+                                  "all_gather, send_recv; on CUDA launch time only).", labels=["kind"])
+    nbytes = CounterMetricFamily("kvrelay:parallel_comm_bytes", "Bytes communicated by TP rank 0 of the last "
+                                 "stage, by kind.", labels=["kind"])
+    for kind in sorted(s.parallel_comm_seconds):
+        seconds.add_metric([kind], s.parallel_comm_seconds[kind])
+        nbytes.add_metric([kind], s.parallel_comm_bytes.get(kind, 0))
+    yield seconds
+    yield nbytes
+
+
+def expert_load_metrics(s):
+    """Expert load balance of a mixture-of-experts model: routed tokens per expert (summed over the
+    sparse layers) since start and in the last step, and the busiest expert over the mean."""
+    if s.expert_load is None:
+        return
+    load = s.expert_load()
+    total = CounterMetricFamily("kvrelay:moe_expert_tokens", "Tokens routed to each expert (all sparse layers).",
+                                labels=["expert"])
+    last = GaugeMetricFamily("kvrelay:moe_expert_tokens_last_step", "Tokens routed to each expert in the last step.",
+                             labels=["expert"])
+    for e, (t, n) in enumerate(zip(load.total, load.last_step, strict=True)):
+        total.add_metric([str(e)], t)
+        last.add_metric([str(e)], n)
+    imbalance = GaugeMetricFamily("kvrelay:moe_expert_load_imbalance",
+                                  "Busiest expert's tokens over the mean, worst sparse layer (1 = even).",
+                                  labels=["window"])
+    imbalance.add_metric(["last_step"], load.last_step_imbalance)
+    imbalance.add_metric(["total"], load.total_imbalance)
+    yield from (total, last, imbalance)
 
 
 def spec_decode_metrics(s):
@@ -109,6 +152,16 @@ class WorkerMetrics:
                               "Prefill side: doorbell hand-offs whose decode worker copied the K/V straight out "
                               "of this worker's shared KV cache (--kv-shared-cache) instead of a region.",
                               registry=r)
+        self.kv_plane_seconds = Histogram("kvrelay:kv_plane_transfer_seconds", "kvrelay:kv_transfer_seconds by "
+                                          "data plane (grpc, shm, mooncake, cuda-ipc).", ["plane"],
+                                          buckets=self.kv_seconds._upper_bounds[:-1], registry=r)
+        self.kv_plane_bytes = Counter("kvrelay:kv_plane_transfer_bytes", "kvrelay:kv_transfer_bytes by data plane.",
+                                      ["plane"], registry=r)
+        self.plane_handoffs = Counter("kvrelay:kv_plane_handoffs", "Prefill side: hand-offs that took a fast "
+                                      "data plane (mooncake, cuda-ipc).", ["plane"], registry=r)
+        self.plane_fallbacks = Counter("kvrelay:kv_plane_fallbacks", "Hand-offs whose fast data plane "
+                                       "(mooncake, cuda-ipc) could not open, so the K/V went inline on gRPC, by "
+                                       "plane and reason.", ["plane", "reason"], registry=r)
         self.failures = Counter("kvrelay:kv_transfer_failures", "Failed hand-offs by reason.", ["reason"],
                                 registry=r)
 

@@ -15,11 +15,14 @@ arena (kvrelay.kvtransfer.doorbell), a prefill worker that can connect sends tho
 PrefillDone and the ack between the two engine threads on a Unix socket; the gRPC stream then
 carries only start, header, aborts and its end.
 
-An RDMA transport (UCX or NIXL) slots in behind the same interface: it would register both
-workers' kv_cache tensors with the NIC, exchange memory descriptors for the held and reserved
-block ids over the same control stream (header and done messages), and replace dest.write with
-one-sided reads straight into dest.block_ids, signalled per layer group. Neither library is
-available on these machines, so only the gRPC transport exists.
+With a transfer engine (kvrelay.kvtransfer.mooncake: RDMA or TCP, any node), the arena's regions
+are offered in PrefillStart.remote instead: the prefill worker writes each chunk's bytes into the
+region before sending its header, and the decode side reads them as it reads a shared-memory
+region. With the CUDA IPC plane (kvrelay.kvtransfer.cuda_ipc, same node, GPU caches), the prefill
+worker names its cache's IPC handle in the header and its held blocks in each chunk; the decode
+worker copies those device to device into its reservation and checks a GPU checksum of what
+landed. The hand-off protocol (start, header, chunks, done, ack, aborts) is this module's on
+every plane.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from kvrelay.engine.errors import InvalidRequestError
@@ -49,6 +53,10 @@ from kvrelay.kvtransfer.layout import (
     check_layout,
 )
 from kvrelay.kvtransfer.shm import Region, ShmArena, SourceCaches
+
+if TYPE_CHECKING:
+    from kvrelay.kvtransfer.cuda_ipc import CudaIpcSources
+    from kvrelay.kvtransfer.mooncake import MooncakeRegions
 from kvrelay.v1 import kv_pb2
 
 WriteFn = Callable[[list[ReceivedChunk]], Awaitable[None]]
@@ -85,6 +93,7 @@ class HandoffResult:
     seconds: float  # first chunk received -> last chunk written
     bytes_before_compute_done: int
     prefill_seconds: float
+    plane: str = "grpc"  # where the bytes went: grpc (inline), shm (region, doorbell or direct), mooncake, cuda-ipc
 
 
 class KVTransport(abc.ABC):
@@ -107,8 +116,16 @@ class GrpcKVTransport(KVTransport):
 
     def __init__(self, layout: KVLayout, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  timeout_s: float = 300.0, arena: ShmArena | None = None, doorbell: DoorbellServer | None = None,
-                 sources: SourceCaches | None = None):
+                 sources: SourceCaches | None = None, remote: MooncakeRegions | None = None,
+                 cuda_ipc: CudaIpcSources | None = None):
         self.layout = layout
+        # Given: the arena's regions are offered to a transfer engine (kvrelay.kvtransfer.mooncake),
+        # not as shared memory; the prefill worker writes into them from any node.
+        self.remote = remote
+        if remote is not None:
+            arena, doorbell, sources = remote.arena, None, None
+        # Given: prefill workers on this node are offered the CUDA IPC plane (kvrelay.kvtransfer.cuda_ipc).
+        self.cuda_ipc = cuda_ipc
         self.doorbell = doorbell  # offered with the arena's regions
         # Given (a CPU cache): doorbell hand-offs may copy straight out of a prefill worker's
         # shared cache (the direct hand-off) instead of its region.
@@ -138,6 +155,10 @@ class GrpcKVTransport(KVTransport):
         self._channels.clear()
         if self.sources is not None:
             self.sources.close()  # unmaps prefill workers' caches once no copy uses them
+        if self.remote is not None:
+            self.remote.close()
+        if self.cuda_ipc is not None:
+            self.cuda_ipc.close()
 
     async def pull(self, prefill_addr: str, request: HandoffRequest, dest: KVDestination) -> HandoffResult:
         # The request's deadline travels on as the prefill call's gRPC deadline.
@@ -149,7 +170,7 @@ class GrpcKVTransport(KVTransport):
         nbytes = self.layout.bytes_for_blocks(len(dest.block_ids) - dest.num_cached_blocks)
         if self.arena is not None and nbytes:
             region = self.arena.allocate(nbytes)  # None when the arena is full: inline this time
-        attempt = _Attempt(region)
+        attempt = _Attempt(region, prefill_addr)
         # The exchange runs in its own task: cancelling a task blocked in call.read() would cancel
         # the RPC before the explicit abort message could go out.
         inner = asyncio.create_task(self._run(call, request, dest, attempt))
@@ -194,7 +215,13 @@ class GrpcKVTransport(KVTransport):
             expected_layout=self.layout.to_proto(), max_message_bytes=self.max_message_bytes,
             num_cached_blocks=dest.num_cached_blocks, cache_salt=request.cache_salt)
         verifier = ChunkVerifier(self.layout, len(request.prompt_ids), len(dest.block_ids), dest.num_cached_blocks)
-        if region is not None:
+        if self.cuda_ipc is not None:
+            offer = self.cuda_ipc.offer(attempt.prefill_addr)
+            if offer is not None:
+                start.cuda_ipc.CopyFrom(offer)
+        if region is not None and self.remote is not None:
+            start.remote.CopyFrom(self.remote.offer(region))
+        elif region is not None:
             start.shm.CopyFrom(kv_pb2.ShmRegion(path=str(self.arena.path), nonce=self.arena.nonce,
                                                 offset=region.offset, size=region.size))
             if self.doorbell is not None and dest.write_now is not None:
@@ -215,9 +242,16 @@ class GrpcKVTransport(KVTransport):
         if header.num_tokens != len(request.prompt_ids) or header.num_blocks != len(dest.block_ids):
             raise ChunkError(f"prefill worker describes {header.num_tokens} tokens in {header.num_blocks} blocks; "
                              f"decode reserved {len(dest.block_ids)} blocks for {len(request.prompt_ids)} tokens")
-        if header.shm and region is None:
+        if header.shm and (region is None or self.remote is not None):
             raise ChunkError("prefill worker chose the shared-memory data plane, which this decode worker did "
                              "not offer")
+        if header.remote and (region is None or self.remote is None):
+            raise ChunkError("prefill worker chose the remote data plane, which this decode worker did not offer")
+        ipc_source = None
+        if header.HasField("cuda_ipc"):
+            if not start.HasField("cuda_ipc"):
+                raise ChunkError("prefill worker chose the CUDA IPC plane, which this decode worker did not offer")
+            ipc_source = self.cuda_ipc.open(attempt.prefill_addr, header.cuda_ipc)  # ChunkError if it cannot
         if header.doorbell:
             if attempt.doorbell is None:
                 raise ChunkError("prefill worker chose the doorbell, which this decode worker did not offer")
@@ -225,7 +259,8 @@ class GrpcKVTransport(KVTransport):
         if attempt.doorbell is not None:  # the prefill worker cannot reach the socket: the stream carries all
             self.doorbell.unregister(attempt.doorbell)
             attempt.doorbell = None
-        shm = _ShmReader(self.arena, region) if header.shm else None
+        shm = _ShmReader(self.arena, region) if header.shm or header.remote else None
+        plane = "cuda-ipc" if ipc_source is not None else "mooncake" if header.remote else "shm" if header.shm else "grpc"
         writer = _BatchWriter(dest.write)
         try:
             while True:
@@ -233,6 +268,9 @@ class GrpcKVTransport(KVTransport):
                 kind, msg = rx.kind(), rx.msg
                 if kind == "chunk":
                     t0 = t0 or time.monotonic()
+                    if ipc_source is not None:  # copied device to device on the engine thread
+                        writer.add(self.cuda_ipc.accept(verifier, msg.chunk, ipc_source))
+                        continue
                     payload = rx.payload if shm is None else shm.payload(msg.chunk)
                     writer.add(verifier.accept(msg.chunk, payload))
                 elif kind == "done":
@@ -247,7 +285,7 @@ class GrpcKVTransport(KVTransport):
                         num_cached_tokens=done.num_cached_tokens, bytes=verifier.bytes,
                         seconds=time.monotonic() - (t0 or time.monotonic()),
                         bytes_before_compute_done=done.bytes_before_compute_done,
-                        prefill_seconds=done.prefill_seconds)
+                        prefill_seconds=done.prefill_seconds, plane=plane)
                 elif kind == "aborted":
                     raise PrefillFailedError(f"prefill worker aborted the hand-off: {msg.aborted.reason}")
                 else:
@@ -291,7 +329,8 @@ class GrpcKVTransport(KVTransport):
             first_logprob=logprob_from_proto(done.first_logprob) if done.has_logprob else None,
             num_cached_tokens=done.num_cached_tokens, bytes=verifier.bytes,
             seconds=h.written_at - (h.first_chunk_at or h.written_at),  # both set before the future resolves
-            bytes_before_compute_done=done.bytes_before_compute_done, prefill_seconds=done.prefill_seconds)
+            bytes_before_compute_done=done.bytes_before_compute_done, prefill_seconds=done.prefill_seconds,
+            plane="shm")
 
 
 @dataclass(eq=False)
@@ -299,6 +338,7 @@ class _Attempt:
     """One pull's resources, for its clean-up."""
 
     region: Region | None
+    prefill_addr: str = ""
     doorbell: DoorbellHandoff | None = None
     watcher: asyncio.Task | None = None  # reads the stream of a doorbell hand-off
 

@@ -1,5 +1,5 @@
 """K/V transports from plugins (entry-point group kvrelay.kv_transports), chosen on a decode
-worker with --kv-transport NAME.
+worker with --kv-transport NAME (any name but the built-in planes, kvrelay.kvtransfer.planes.BUILTIN).
 
 The entry point is a factory `make(layout: KVLayout, options: WorkerOptions) -> KVTransport`
 (a KVTransport subclass whose constructor takes those two arguments qualifies). The transport

@@ -67,6 +67,12 @@ class WorkerOptions:
     watchdog_timeout_s: float = 30.0
     watchdog_grace_s: float = 10.0
     stats_interval_s: float = 10.0  # the periodic engine stats line (kvrelay.engine.stats_logger); 0: off
+    # Mooncake data plane (--kv-transport mooncake, kvrelay.kvtransfer.mooncake): the address this
+    # worker's transfer engine listens on, which its peers reach (the pod IP); the decode side's
+    # protocol ("tcp" or "rdma") and the bytes of its registered region arena (in kv_shm_dir).
+    kv_mooncake_host: str = ""  # "": this host's address as its hostname resolves
+    kv_mooncake_protocol: str = "tcp"
+    kv_remote_bytes: int = 256 * 2**20
 
 
 def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -93,6 +99,9 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
                         help=f"the node this worker runs on, published to the gateway, which pairs prefill "
                              f"and decode workers on one node for the shared-memory data plane (default: "
                              f"${NODE_NAME_ENV}, set by the operator from the pod's spec.nodeName)")
+    parser.add_argument("--kv-mooncake-host", default=d.kv_mooncake_host,
+                        help="address this worker's Mooncake transfer engine listens on and peers reach it at "
+                             "(the pod IP; default: what this host's name resolves to; for --kv-transport mooncake)")
     if role == "prefill":
         parser.add_argument("--kv-lease-seconds", dest="lease_seconds", type=float, default=d.lease_seconds,
                             help="free held KV blocks if the decode worker neither reads nor acknowledges "
@@ -123,7 +132,14 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
                             help="with --kv-shm-bytes: no doorbell socket beside the arena; chunk headers and "
                                  "acks of same-node hand-offs go on the gRPC stream")
         parser.add_argument("--kv-transport", default=None,
-                            help="a K/V transport from a kvrelay.kv_transports plugin (default: the built-in gRPC one)")
+                            help="mooncake (a transfer-engine region prefill workers on any node write into), "
+                                 "cuda-ipc (same-node GPU caches, device to device), or a transport from a "
+                                 "kvrelay.kv_transports plugin (default: K/V inline on gRPC)")
+        parser.add_argument("--kv-mooncake-protocol", choices=("tcp", "rdma"), default=d.kv_mooncake_protocol,
+                            help="with --kv-transport mooncake: RDMA where the nodes have it, else TCP")
+        parser.add_argument("--kv-remote-bytes", type=parse_bytes, default=d.kv_remote_bytes,
+                            help="with --kv-transport mooncake: bytes of the registered region arena (in "
+                                 "--kv-shm-dir) prefill workers write into (default 256MiB)")
 
 
 def make_engine(args: EngineArgs, options: WorkerOptions) -> AsyncEngine:

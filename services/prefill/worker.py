@@ -41,10 +41,13 @@ from kvrelay.kvtransfer.chunk_wire import (
     place_chunk,
 )
 from kvrelay.kvtransfer.convert import logprob_to_proto, params_from_proto
+from kvrelay.kvtransfer.cuda_ipc import CudaIpcExport
 from kvrelay.kvtransfer.doorbell import DoorbellClient, DoorbellConn
 from kvrelay.kvtransfer.errors import LayoutMismatchError
 from kvrelay.kvtransfer.layout import ChunkRange, KVLayout, check_layout, chunk_header, plan_chunks
 from kvrelay.kvtransfer.leases import Lease, LeaseTable
+from kvrelay.kvtransfer.mooncake import MooncakeWriter, RemoteTarget
+from kvrelay.kvtransfer.planes import open_remote
 from kvrelay.kvtransfer.shm import SharedKVCache, ShmOpener
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.worker_base import WorkerBase, WorkerOptions
@@ -77,8 +80,11 @@ class _Handoff:
     doorbell_error: Exception | None = None  # a ring failed (engine thread): the hand-off fails
     client_request_id: str = ""  # the client's X-Request-Id, from the decode worker's call metadata
     direct: bool = False  # the decode worker copies the blocks out of this worker's shared cache
+    remote: RemoteTarget | None = None  # set: chunks' bytes go into the decode worker's transfer-engine region
+    cuda_ipc: kv_pb2.CudaIpcCache | None = None  # set: the decode worker copies held blocks over CUDA IPC
     block_table: list[int] = dataclasses.field(default_factory=list)  # of the last gather (engine thread)
     started_at: float = 0.0  # when the prefill was submitted (monotonic)
+    interrupt: tuple | None = None  # the first _interrupt's event, acted on before queued chunks
 
 
 class _PipelinedWriter:
@@ -130,6 +136,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         storage = self.llm.kv_cache_storage
         self.shared_cache = storage if isinstance(storage, SharedKVCache) else None
         self._source_msg = self.shared_cache.offer() if self.shared_cache is not None else None
+        self.mooncake = MooncakeWriter(self.options.kv_mooncake_host)  # its engine starts at the first offer
+        self.cuda_ipc = CudaIpcExport(self.llm, self.options.node_name, self.metrics)
 
     def add_services(self, server: grpc.aio.Server) -> None:
         add_prefill_service(self, server)
@@ -208,6 +216,11 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
                     with self._lock:
                         self._by_ticket[h.ticket] = h
                         self._ringing[lease.lease_id] = h
+        if start.HasField("remote"):
+            h.remote = open_remote(self.mooncake, start.remote, self.layout.bytes_for_blocks(h.num_blocks - h.first_block),
+                                   self.metrics)
+        if start.HasField("cuda_ipc"):
+            h.cuda_ipc = self.cuda_ipc.answer(start.cuda_ipc)
         self.leases.add(lease)
         self._handoffs[lease.lease_id] = h
         reader = asyncio.create_task(self._read_decode_side(it, h))
@@ -217,7 +230,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             await context.write(kv_pb2.PrefillServerMessage(header=kv_pb2.HandoffHeader(
                 lease_id=lease.lease_id, layout=self.layout.to_proto(), num_tokens=len(ids),
                 num_blocks=h.num_blocks, lease_seconds=self.options.lease_seconds, shm=h.shm is not None,
-                doorbell=h.doorbell is not None)))
+                doorbell=h.doorbell is not None, remote=h.remote is not None, cuda_ipc=h.cuda_ipc)))
             if len(ids) >= self.options.stream_min_tokens:
                 with self._lock:
                     self._streaming[lease.lease_id] = h
@@ -251,18 +264,35 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             while True:
                 ev = await h.events.get()
                 if ev[0] == "chunk":
+                    # An abort (either side), lease expiry or shutdown is queued behind the chunks:
+                    # act on it now instead of sending them all first.
+                    if h.lease.release_reason == "decode_abort":
+                        return "decode_abort"
+                    if h.interrupt is not None:
+                        await out.flush()
+                        return await self._handle_event(h, h.interrupt, context)
                     _, r, t = ev
                     if h.send_started_at is None:
                         h.send_started_at = time.monotonic()
                     header = chunk_header(self._layout_msg, r, h.lease.num_tokens)
                     size = payload_size(t)
-                    if h.shm is None:
+                    if h.cuda_ipc is not None:  # the decode worker copies the held blocks itself
+                        msg = self.cuda_ipc.chunk(header, t, h.block_table[r.block_start:r.block_end])
+                    elif h.remote is not None:
+                        try:  # the bytes land in the decode worker's region before the header goes
+                            msg = await asyncio.to_thread(h.remote.place, header, t)
+                        except (ConnectionError, ValueError) as e:
+                            await out.flush()
+                            why = f"remote write failed: {e}"
+                            await context.write(kv_pb2.PrefillServerMessage(aborted=kv_pb2.PrefillAborted(reason=why)))
+                            return "remote_write_failed"
+                    elif h.shm is None:
                         msg = encode_chunk_message(header, t)
                     else:
                         msg = place_chunk(header, t, h.shm, h.shm_next)
                         h.shm_next += size
                     await out.write(msg, lambda size=size: self._chunk_sent(h, size))
-                    if h.shm is not None:
+                    if h.shm is not None or h.remote is not None:
                         # The bytes are already in place: let the small message go out now, not
                         # after the next chunk's copy (traced: it went ~1.1 ms later at 1k tokens).
                         await asyncio.sleep(0)
@@ -374,6 +404,7 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
     def _interrupt(self, h: _Handoff, event: tuple) -> None:
         """Ask the hand-off to end with an explicit message to the decode side; if it is stuck
         writing to a decode worker that stopped reading, cancel it after a second."""
+        h.interrupt = h.interrupt or event
         h.events.put_nowait(event)
         task = h.lease.task
         if task is not None:
@@ -416,7 +447,10 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
 
     def _gather(self, h: _Handoff, block_table: list[int], lo: int, hi: int) -> list[tuple[ChunkRange, Payload]]:
         ranges = plan_chunks(self.layout, lo, hi, h.num_blocks, h.max_message_bytes, h.first_block)
-        if self.llm.device.type == "cpu":
+        if self.llm.executor is not None:  # tensor/pipeline parallel: every rank sends its heads and layers
+            out = [(r, self.llm.executor.gather_blocks(block_table[r.block_start:r.block_end], r.layer_start,
+                                                      r.layer_end)) for r in ranges]
+        elif self.llm.device.type == "cpu":
             # Views of the held blocks: encoding joins them straight into the message, so the
             # sender's CPU (the hand-off's bottleneck on one core) skips a gather copy and the
             # engine thread no longer spends ~0.5 ms per 4 MiB chunk gathering.
@@ -426,7 +460,9 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         else:
             ids = torch.tensor(block_table, dtype=torch.long, device=self.llm.device)
             out = [(r, self.llm.ops.gather_blocks(self.llm.kv_cache, ids[r.block_start:r.block_end], r.layer_start,
-                                                  r.layer_end).cpu()) for r in ranges]
+                                                  r.layer_end)) for r in ranges]
+            if h.cuda_ipc is None:  # CUDA IPC: the checksum runs on the GPU, the bytes never leave it
+                out = [(r, t.cpu()) for r, t in out]
         h.sent_layers = hi
         h.block_table = block_table
         return out

@@ -214,7 +214,7 @@ def test_counters_reach_the_engine_stats_and_the_workers_metrics():
 
 
 def test_the_controller_runs_the_faster_mode_and_keeps_exploring():
-    from kvrelay.engine.spec_decode.controller import EXPLORE_EVERY, MIN_SAMPLES, SpecController
+    from kvrelay.engine.spec_decode.controller import MIN_SAMPLES, SpecController, explore_every
 
     c = SpecController()
     for _ in range(MIN_SAMPLES):  # nothing measured: speculation first
@@ -223,19 +223,20 @@ def test_the_controller_runs_the_faster_mode_and_keeps_exploring():
     for _ in range(MIN_SAMPLES):  # then plain, to compare
         assert not c.should_speculate(16)
         c.record(16, False, tokens=16, seconds=0.002)  # 8,000 tok/s plain: plain wins
-    choices = [c.should_speculate(16) for _ in range(16 * EXPLORE_EVERY)]
-    assert choices.count(True) == 4  # far behind (half the rate): one exploring step in 4 * EXPLORE_EVERY
+    assert explore_every(0.5) == 50 and explore_every(0.875) == 13 and explore_every(0.99) == 8
+    choices = [c.should_speculate(16) for _ in range(4 * 50)]
+    assert choices.count(True) == 4  # half the rate: one exploring step in 50 (costs 1% of throughput)
     close = SpecController()
     for mode, tokens in ((True, 70), (False, 80)):  # 7,000 against 8,000 tok/s
         for _ in range(MIN_SAMPLES):
             close.record(16, mode, tokens=tokens, seconds=0.01)
-    choices = [close.should_speculate(16) for _ in range(4 * EXPLORE_EVERY)]
-    assert choices.count(True) == 4  # close behind: one in EXPLORE_EVERY
+    choices = [close.should_speculate(16) for _ in range(4 * 13)]
+    assert choices.count(True) == 4  # 7/8 of the rate: one in 13
     assert c.preferred(16) is False and c.preferred(1) is True  # batch 1 is measured on its own
     for _ in range(10):  # the workload changes: speculation now wins
         c.record(16, True, tokens=80, seconds=0.005)
     assert c.preferred(16) is True
-    c.record(16, False, tokens=1, seconds=0.01)  # one slow step moves a ratio of decayed sums little
+    c.record(16, False, tokens=1, seconds=10.0)  # one stalled step moves a median little
     assert c.rates()[16][False] > 1000
 
 

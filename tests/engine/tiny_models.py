@@ -10,6 +10,7 @@ import torch
 
 from kvrelay.models import BUNDLED_MODEL
 
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -25,6 +26,9 @@ def save_tiny_model(path: Path, arch: str, **overrides) -> Path:
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
         "phi3": transformers.Phi3Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[arch]
     kwargs = {
         "vocab_size": 512,
@@ -40,8 +44,14 @@ def save_tiny_model(path: Path, arch: str, **overrides) -> Path:
         "eos_token_id": 2,
         "tie_word_embeddings": False,
     }
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = 32
+    if arch == "mixtral":
+        kwargs.update(num_local_experts=8, num_experts_per_tok=2)
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        kwargs.update(num_experts=8, num_experts_per_tok=4, moe_intermediate_size=48, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        kwargs["shared_expert_intermediate_size"] = 96
     if arch in ("gemma2", "gemma3"):
         # Small head dim and window: prompts plus 48 tokens span several windows.
         kwargs.update(head_dim=16, query_pre_attn_scalar=24, sliding_window=16)
@@ -51,6 +61,13 @@ def save_tiny_model(path: Path, arch: str, **overrides) -> Path:
     config = config_cls(**kwargs)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch in MOE_ARCHS:
+        # Routers at init 1.0 give logits of std ~8: top-k picks among experts of probability ~1e-8
+        # whose order float rounding decides. Smaller routers make every picked weight count.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                    param.mul_(0.1)
     model.save_pretrained(path)
     for name in TOKENIZER_FILES:
         shutil.copy(BUNDLED_MODEL / name, path / name)

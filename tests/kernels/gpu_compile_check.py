@@ -80,21 +80,34 @@ def exercise(ops) -> None:
         wq, scale = torch.zeros((256, 512), dtype=torch.int8), torch.zeros(256)
         for m in (1, 40, 300):
             ops.int8_matmul(torch.zeros((m, 512), dtype=dtype), wq, scale, torch.zeros(256, dtype=dtype))
+        # Fused MoE at Mixtral-like proportions (small): decode, mid and prefill tile classes, and int8.
+        w13, w2 = torch.zeros((8, 2 * 448, 256), dtype=dtype), torch.zeros((8, 256, 448), dtype=dtype)
+        q13, q2 = torch.zeros((8, 2 * 448, 256), dtype=torch.int8), torch.zeros((8, 256, 448), dtype=torch.int8)
+        for m in (1, 200, 600):
+            x = torch.zeros((m, 256), dtype=dtype)
+            ids = torch.zeros((m, 2), dtype=torch.int64)
+            weights = torch.zeros((m, 2))
+            ops.fused_moe(x, w13, w2, weights, ids)
+            ops.fused_moe(x, q13, q2, weights, ids, torch.zeros((8, 896)), torch.zeros((8, 256)))
 
 
 def count_recompiles(ops) -> dict[str, int]:
     """New compiled variants while batch size, table width and token count change step to step."""
-    from kvrelay.kernels import triton_decode_attention, triton_int8, triton_prefill_attention
+    from kvrelay.kernels import triton_decode_attention, triton_int8, triton_moe, triton_prefill_attention
 
     kernels = {
         "decode": triton_decode_attention._decode_kernel,
         "prefill": triton_prefill_attention._prefill_kernel,
         "int8_matmul": triton_int8._int8_matmul_kernel,
+        "moe_gate_up": triton_moe._gate_up_kernel,
+        "moe_down": triton_moe._down_kernel,
     }
     before = {name: len(k.device_caches[0][0]) for name, k in kernels.items()}
     kv = torch.zeros((2, 64, 16, 8, 128), dtype=torch.bfloat16)
     wq, scale = torch.zeros((256, 512), dtype=torch.int8), torch.zeros(256)
     bias = torch.zeros(256, dtype=torch.bfloat16)
+    w13 = torch.zeros((8, 2 * 256, 512), dtype=torch.bfloat16)
+    w2 = torch.zeros((8, 512, 256), dtype=torch.bfloat16)
     for batch in (1, 3, 8, 16, 17):
         for width in (1, 2, 5, 16, 33):
             tables = torch.zeros((batch, width), dtype=torch.int32)
@@ -105,6 +118,8 @@ def count_recompiles(ops) -> dict[str, int]:
             qsl = torch.arange(batch + 1, dtype=torch.int32)
             ops.paged_prefill_attention(chunk, kv[0], kv[1], tables, qsl, lens, 0.1)
         ops.int8_matmul(torch.zeros((batch, 512), dtype=torch.bfloat16), wq, scale, bias)
+        ops.fused_moe(torch.zeros((batch, 512), dtype=torch.bfloat16), w13, w2, torch.zeros((batch, 2)),
+                      torch.zeros((batch, 2), dtype=torch.int64))
     return {name: len(k.device_caches[0][0]) - before[name] for name, k in kernels.items()}
 
 

@@ -119,6 +119,34 @@ def test_shared_memory_plane_mounts_the_node_directory_and_pairs_prefill_with_de
             assert "--kv-shm-bytes" not in pod(plain, role)["containers"][0]["args"]
 
 
+@pytest.mark.parametrize("transport,protocol", [("mooncake", "tcp"), ("rdma", "rdma")])
+def test_mooncake_transports_listen_on_the_pod_ip_and_decode_pods_choose_the_protocol(transport, protocol):
+    objs = children({"model": {"uri": "/m"}, "kvTransfer": {"transport": transport}})
+    for role in ("prefill", "decode"):
+        container = pod(objs, role)["containers"][0]
+        args = container["args"]
+        assert args[args.index("--kv-mooncake-host") + 1] == "$(KVRELAY_POD_IP)"
+        assert {"name": "KVRELAY_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
+    decode_args = pod(objs, "decode")["containers"][0]["args"]
+    assert decode_args[decode_args.index("--kv-transport") + 1] == "mooncake"
+    assert decode_args[decode_args.index("--kv-mooncake-protocol") + 1] == protocol
+    assert "--kv-transport" not in pod(objs, "prefill")["containers"][0]["args"]  # prefill answers offers
+    assert "hostIPC" not in pod(objs, "decode")
+
+
+def test_cuda_ipc_shares_the_ipc_namespace_and_pairs_prefill_with_decode_nodes():
+    objs = children({"model": {"uri": "/m"}, "kvTransfer": {"transport": "cuda-ipc"}})
+    decode, prefill = pod(objs, "decode"), pod(objs, "prefill")
+    args = decode["containers"][0]["args"]
+    assert args[args.index("--kv-transport") + 1] == "cuda-ipc"
+    assert decode["hostIPC"] is True and prefill["hostIPC"] is True
+    assert "podAffinity" in prefill["affinity"] and "affinity" not in decode
+    plain = children({"model": {"uri": "/m"}})
+    for role in ("prefill", "decode"):
+        assert "hostIPC" not in pod(plain, role)
+        assert not {"--kv-transport", "--kv-mooncake-host"} & set(pod(plain, role)["containers"][0]["args"])
+
+
 def test_prefill_cache_puts_the_prefill_pods_kv_cache_in_the_node_directory():
     objs = children({"model": {"uri": "/m"},
                      "kvTransfer": {"sharedMemory": {"size": "1Gi", "prefillCache": True}}})
@@ -170,3 +198,28 @@ def test_every_role_has_readiness_and_liveness_probes_on_its_health_endpoints():
     gateway = pod(objs, "gateway")["containers"][0]
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert gateway["livenessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_parallelism_sets_the_worker_flags_and_one_gpu_per_rank():
+    objs = children({"model": {"uri": "/m"}, "decode": {"parallelism": {"tensor": 2, "pipeline": 2}},
+                     "prefill": {"parallelism": {"tensor": 2}, "resources": {"limits": {"cpu": "4"}}}})
+    decode = pod(objs, "decode")["containers"][0]
+    assert decode["args"][-4:] == ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]
+    assert decode["resources"] == {"requests": {"nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}
+    prefill = pod(objs, "prefill")["containers"][0]
+    assert "--pipeline-parallel-size" not in prefill["args"] and prefill["args"][-2:] == ["--tensor-parallel-size", "2"]
+    assert prefill["resources"]["limits"] == {"cpu": "4", "nvidia.com/gpu": "2"}
+    assert "resources" not in pod(objs, "gateway")["containers"][0]
+
+
+@pytest.mark.parametrize("role, par, message", [
+    ("decode", {"tensor": 4, "pipeline": 2, "gpusPerNode": 4}, "tensor x pipeline = 8 GPUs exceeds gpusPerNode 4"),
+    ("decode", {"tensor": 0}, "spec.decode.parallelism.tensor must be >= 1"),
+    ("gateway", {"tensor": 2}, "only the prefill and decode roles run a model"),
+])
+def test_parallelism_that_cannot_be_served_is_invalid(role, par, message):
+    with pytest.raises(InvalidSpec, match=message):
+        parse_spec({"model": {"uri": "/m"}, role: {"parallelism": par}}, "x")
+    with pytest.raises(InvalidSpec, match="asks for nvidia.com/gpu 1"):
+        parse_spec({"model": {"uri": "/m"}, "decode": {"parallelism": {"tensor": 2},
+                                                        "resources": {"limits": {"nvidia.com/gpu": 1}}}}, "x")

@@ -28,9 +28,11 @@ def role_parser(role: str) -> argparse.ArgumentParser:
     return parser
 
 
+@pytest.mark.parametrize("transport", ["grpc", "rdma"])
 @pytest.mark.parametrize("role", ["prefill", "decode", "gateway"])
-def test_pod_arguments_parse(role):
-    children = build_children(Owner("demo", "ns", "uid"), parse_spec(SPEC, "demo"), OperatorConfig())
+def test_pod_arguments_parse(role, transport):
+    spec = SPEC | {"kvTransfer": SPEC["kvTransfer"] | {"transport": transport}}
+    children = build_children(Owner("demo", "ns", "uid"), parse_spec(spec, "demo"), OperatorConfig())
     (deployment,) = [d for d in children if d["kind"] == "Deployment" and d["metadata"]["name"] == f"demo-{role}"]
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[0] == role
@@ -45,6 +47,10 @@ def test_pod_arguments_parse(role):
         assert parsed.dtype == "float32" and parsed.quantization == "int8"
         if role == "decode":
             assert parsed.kv_shm_bytes == 2**30 and parsed.kv_shm_dir == "/kv-shm"
+        if transport == "rdma":
+            assert parsed.kv_mooncake_host == "$(KVRELAY_POD_IP)"
+            if role == "decode":
+                assert parsed.kv_transport == "mooncake" and parsed.kv_mooncake_protocol == "rdma"
 
 
 def test_worker_node_name_comes_from_the_environment_the_operator_sets(monkeypatch):

@@ -41,7 +41,7 @@ def test_schema_requires_model_uri_and_validates_replica_bounds():
         # Guarded: the API server checks each rule against `default: {}` before nested defaults.
         assert "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas" in rules
     assert spec["properties"]["model"]["properties"]["dtype"]["enum"] == ["auto", "float32", "float16", "bfloat16"]
-    assert spec["properties"]["kvTransfer"]["properties"]["transport"]["enum"] == ["grpc"]
+    assert spec["properties"]["kvTransfer"]["properties"]["transport"]["enum"] == ["grpc", "mooncake", "rdma", "cuda-ipc"]
 
 
 def test_operator_defaults_equal_the_crd_defaults():
@@ -87,7 +87,6 @@ def test_schema_and_operator_both_reject(bad, field):
     ({"model": {"uri": "/m"}, "redis": {"url": "redis://r", "secretRef": {"name": "s"}}}, "not both"),
     ({"model": {"uri": "/m"}, "redis": {"url": "http://r"}}, "redis://"),
     ({"model": {"uri": "/m"}, "gateway": "big"}, "spec.gateway must be an object"),
-    ({"model": {"uri": "/m"}, "kvTransfer": {"transport": "rdma"}}, "rdma is not implemented"),
     ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": "1.5Gi"}}}, "quantity such as 512Mi"),
     ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": "2Gb"}}}, "quantity such as 512Mi"),
     ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": 4096}}}, "at least 1Mi"),
@@ -115,3 +114,13 @@ def test_shared_memory_sizes_are_quantities_and_defaults_match_the_crd(size, wan
 def test_unknown_field_is_reported_by_the_schema():
     body = dict(EXAMPLE, spec=dict(EXAMPLE["spec"], prefil={"replicas": 1}))
     assert any("prefil: unknown field" in e for e in validate(body, SCHEMA))
+
+
+def test_parallelism_is_in_the_schema_with_the_operators_defaults():
+    body = {"model": {"uri": "/m"}, "decode": {"parallelism": {"tensor": 2}}, "prefill": {"parallelism": {}}}
+    assert validate({"apiVersion": "kvrelay.dev/v1alpha1", "kind": c.KIND, "metadata": {}, "spec": body}, SCHEMA) == []
+    raw = parse_spec(body, "x")
+    assert raw == parse_spec(apply_defaults(body, SCHEMA["properties"]["spec"]), "x")
+    assert (raw.decode.parallelism.tensor, raw.decode.parallelism.pipeline, raw.prefill.parallelism.gpus) == (2, 1, 1)
+    bad = {"model": {"uri": "/m"}, "decode": {"parallelism": {"tensor": 0}}}
+    assert validate({"apiVersion": "kvrelay.dev/v1alpha1", "kind": c.KIND, "metadata": {}, "spec": bad}, SCHEMA)

@@ -120,7 +120,7 @@ class WorkerProcess:
             if not line:
                 break
             self.lines.append(line)
-            m = re.search(r"listening on ([\d.]+):(\d+)", line)
+            m = re.search(r"kvrelay \w+ listening on ([\d.]+):(\d+)", line)
             if m:
                 self.addr = f"{m.group(1)}:{m.group(2)}"
                 # Keep draining its output so a chatty worker never blocks on a full pipe.

@@ -4,38 +4,50 @@ Speculation pays when verifying K extra tokens per sequence costs less than the 
 save. That depends on the model, the device, the batch and the acceptance of the workload, so no
 fixed threshold holds everywhere (on CPU with a tiny model, per-sequence host work dominates and a
 batch of 16 runs slower with proposals; on a GPU the same batch is memory-bound and gains). The
-controller measures instead: for each batch-size bucket it keeps decayed sums of tokens emitted and
-seconds spent in decode-only steps with and without speculation (a ratio of sums: one unlucky step
-moves it little), tries each mode MIN_SAMPLES times, then runs the faster one and spends one step in
-EXPLORE_EVERY on the other (one in 4x as many when it is far behind), so that the estimate follows
-the workload without paying much for it.
+controller measures instead: for each batch-size bucket it keeps the tokens/s of the last WINDOW
+decode-only steps with and without speculation and compares their medians (a step stalled by
+another process on a busy machine moves a median little, where it would dominate a mean), tries each
+mode MIN_SAMPLES times, then runs the faster one and now and then a step of the other, so that the
+estimate follows the workload. Exploring costs what the losing mode is
+slower by, so it is spaced to cost at most EXPLORE_COST of throughput: at least EXPLORE_EVERY steps
+apart, (1 - rate ratio) / EXPLORE_COST when that is more (a mode at half the rate: one step in 50),
+and never more than MAX_EXPLORE_EVERY, so that a workload that changes is still noticed.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
-EXPLORE_EVERY = 8  # steps per bucket between tries of the mode that currently loses (when close)
-FAR_BEHIND = 0.75  # a loser below this fraction of the winner's rate is tried 4x less often
+EXPLORE_EVERY = 8  # fewest steps per bucket between tries of the mode that currently loses
+EXPLORE_COST = 0.01  # the throughput exploring may cost
+MAX_EXPLORE_EVERY = 128
 MIN_SAMPLES = 3  # measured steps of each mode before the faster one is chosen
-DECAY = 0.9  # weight of the older steps' sums at each new step of that mode
+WINDOW = 16  # recent steps per mode whose median rate is compared
 
 
 @dataclass
 class _Bucket:
-    tokens: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})  # speculate? -> sum
-    seconds: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    # speculate? -> tokens/s of its last WINDOW measured steps
+    recent: dict[bool, deque] = field(default_factory=lambda: {m: deque(maxlen=WINDOW) for m in (True, False)})
     samples: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     steps: int = 0
 
     def rate(self, mode: bool) -> float:
-        return self.tokens[mode] / self.seconds[mode] if self.seconds[mode] else 0.0
+        return statistics.median(self.recent[mode]) if self.recent[mode] else 0.0
 
     def faster(self) -> bool | None:
         """The faster mode, or None while either has fewer than MIN_SAMPLES measured steps."""
         if min(self.samples.values()) < MIN_SAMPLES:
             return None
         return self.rate(True) >= self.rate(False)
+
+
+def explore_every(ratio: float) -> int:
+    """Steps between tries of a mode that runs at `ratio` of the faster one's rate."""
+    return min(MAX_EXPLORE_EVERY, max(EXPLORE_EVERY, math.ceil((1.0 - ratio) / EXPLORE_COST)))
 
 
 class SpecController:
@@ -52,8 +64,7 @@ class SpecController:
         best = b.faster()
         if best is None:  # speculation first, then plain, until both have their samples
             return b.samples[True] < MIN_SAMPLES
-        close = b.rate(not best) >= FAR_BEHIND * b.rate(best)
-        every = EXPLORE_EVERY if close else 4 * EXPLORE_EVERY
+        every = explore_every(b.rate(not best) / b.rate(best) if b.rate(best) else 1.0)
         return (not best) if b.steps % every == 0 else best
 
     def preferred(self, batch: int) -> bool:
@@ -67,8 +78,7 @@ class SpecController:
         if seconds <= 0:
             return
         b = self._buckets.setdefault(self._key(batch), _Bucket())
-        b.tokens[speculated] = DECAY * b.tokens[speculated] + tokens
-        b.seconds[speculated] = DECAY * b.seconds[speculated] + seconds
+        b.recent[speculated].append(tokens / seconds)
         b.samples[speculated] += 1
 
     def rates(self) -> dict[int, dict[bool, float]]:

@@ -1,0 +1,317 @@
+"""The multi-process executor: tensor_parallel_size x pipeline_parallel_size worker processes over
+torch.distributed (gloo on CPU, NCCL on CUDA), driven by the engine's one scheduler.
+
+The driver (the engine's process) keeps the scheduler, the block table and the sampler; it builds
+each step's inputs once, serializes them once and writes the same bytes to every worker's pipe
+(the broadcast), and reads the logits back from TP rank 0 of the last stage. To the ModelRunner
+the executor is the model: `forward(batch, kv_cache) -> logits`.
+
+A dead worker fails the engine loudly: a step waits on the reply *and* on every worker's process
+sentinel, so it raises WorkerDiedError at once instead of hanging; a watchdog thread notices a
+death between steps too (LLMEngine.has_work() then reports work, and the next step raises), the
+other workers are killed, and serving processes exit non-zero. Workers die with the driver
+(PR_SET_PDEATHSIG), and collectives time out rather than hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+
+import torch
+import torch.multiprocessing as mp
+from kvrelay.engine.errors import EngineError
+from kvrelay.engine.parallel.layers import check_parallel
+from kvrelay.engine.parallel.worker import (
+    WorkerSpec,
+    batch_to_wire,
+    decode,
+    encode,
+    tensor_from_wire,
+    tensor_to_wire,
+    worker_main,
+)
+
+log = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 600.0  # the workers' start-up: model loading and, on CUDA, the memory plan
+
+
+class WorkerDiedError(EngineError):
+    """A tensor/pipeline-parallel worker process exited or failed; the engine cannot continue."""
+
+
+@dataclass
+class StepStats:
+    """Totals over steps as TP rank 0 of the last stage saw them: its step time, and per kind of
+    communication (all_reduce, all_gather, send_recv) seconds and bytes."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    comm_s: dict[str, float] = field(default_factory=dict)
+    comm_bytes: dict[str, int] = field(default_factory=dict)
+
+    def as_engine_stats(self) -> dict:
+        return {"parallel_steps": self.steps, "parallel_step_seconds": self.step_s,
+                "parallel_comm_seconds": dict(self.comm_s), "parallel_comm_bytes": dict(self.comm_bytes)}
+
+    def add(self, step_s: float, comm: dict[str, tuple[float, int]]) -> None:
+        self.steps += 1
+        self.step_s += step_s
+        for kind, (sec, nbytes) in comm.items():
+            self.comm_s[kind] = self.comm_s.get(kind, 0.0) + sec
+            self.comm_bytes[kind] = self.comm_bytes.get(kind, 0) + nbytes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor:
+    layer_hook = None  # no per-layer hooks across processes (the ModelRunner reads this)
+
+    def __init__(self, spec_args: dict, tensor_parallel_size: int, pipeline_parallel_size: int):
+        """spec_args: WorkerSpec's fields except the parallel sizes, rendezvous and threads."""
+        config = spec_args["config"]
+        check_parallel(config, tensor_parallel_size, pipeline_parallel_size)
+        self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
+        self.world_size = self.tp * self.pp
+        self.failed: str | None = None
+        self._closing = False
+        # One conversation with the workers at a time: steps run on the engine thread, K/V
+        # writes of a decode hand-off (gather/scatter) on others.
+        self._lock = threading.Lock()
+        self.stats = StepStats()  # the last stage's TP rank 0: step and communication time
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.spec = WorkerSpec(
+            **spec_args, tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
+            init_method=f"tcp://127.0.0.1:{_free_port()}", threads=max(1, cores // self.world_size),
+            timeout_s=float(os.environ.get("KVRELAY_PARALLEL_TIMEOUT_S", "120")),
+        )
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        try:
+            for rank in range(self.world_size):
+                parent, child = ctx.Pipe()
+                main = threading.current_thread() is threading.main_thread()
+                proc = ctx.Process(target=worker_main, args=(rank, self.spec, child, main), daemon=True,
+                                   name=f"kvrelay-worker-tp{rank % self.tp}-pp{rank // self.tp}")
+                proc.start()
+                child.close()
+                self.procs.append(proc)
+                self.conns.append(parent)
+            self.planned_kv_bytes = [self._recv(r, "ready", LOAD_TIMEOUT_S) for r in range(self.world_size)]
+        except BaseException:
+            self.close()
+            raise
+        atexit.register(self.close)  # before multiprocessing's own exit handler kills the daemons
+        self._watchdog = threading.Thread(target=self._watch, name="kvrelay-worker-watchdog", daemon=True)
+        self._watchdog.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def allocate(self, num_blocks: int) -> None:
+        """Every rank allocates its KV cache of num_blocks blocks (its own heads and layers)."""
+        self._broadcast(("allocate", num_blocks))
+        for r in range(self.world_size):
+            self._recv(r, "allocated", LOAD_TIMEOUT_S)
+
+    def forward(self, batch, kv_cache=None) -> torch.Tensor:
+        """One step on every worker; the fp32 logits [S, vocab] on the driver's CPU."""
+        with self._lock:
+            self.check()
+            self._broadcast(("step", batch_to_wire(batch)))
+            logits, step_s, comm = self._recv(self.world_size - self.tp, "logits", None)
+        self.stats.add(step_s, comm)
+        return torch.from_numpy(logits)
+
+    def gather_blocks(self, block_ids: list[int], layer_start: int, layer_end: int) -> torch.Tensor:
+        """K/V of block_ids in layers [layer_start, layer_end), every head, as one process's cache
+        holds them ([layers, 2, blocks, block_size, kv_heads, head_dim] on the CPU): each rank sends
+        its heads of its stage's layers (a prefill worker's side of a hand-off)."""
+        cfg = self.spec.config
+        out = torch.empty((layer_end - layer_start, 2, len(block_ids), self.spec.block_size, cfg.num_kv_heads,
+                           cfg.head_dim), dtype=self.spec.dtype)
+        with self._lock:
+            self.check()
+            self._broadcast(("gather", (list(block_ids), layer_start, layer_end, None)))
+            for r in range(self.world_size):
+                part = self._recv(r, "gather", LOAD_TIMEOUT_S)
+                if part is not None:
+                    a, b, (h0, h1), wire = part
+                    out[a - layer_start:b - layer_start, :, :, :, h0:h1] = tensor_from_wire(wire)
+        return out
+
+    def scatter_blocks(self, block_ids: list[int], kv: torch.Tensor, layer_start: int, layer_end: int) -> None:
+        """Write kv (gather_blocks' layout) into block_ids: each rank takes its heads and layers
+        (a decode worker's side of a hand-off)."""
+        with self._lock:
+            self.check()
+            self._broadcast(("scatter", (list(block_ids), layer_start, layer_end, tensor_to_wire(kv))))
+            for r in range(self.world_size):
+                self._recv(r, "scatter", LOAD_TIMEOUT_S)
+
+    def check(self) -> None:
+        if self.failed is not None:
+            raise WorkerDiedError(self.failed)
+
+    def _broadcast(self, msg) -> None:
+        data = encode(msg)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                self._fail(self._death_message(rank))
+
+    def _recv(self, rank: int, kind: str, timeout: float | None):
+        """The next message from rank, of this kind; raises WorkerDiedError when any worker dies or
+        reports an error first (never waits on a dead process)."""
+        conn = self.conns[rank]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([conn, *(p.sentinel for p in self.procs)], left)
+            if conn in ready:
+                try:
+                    got, _, payload = decode(conn.recv_bytes())
+                except (EOFError, OSError):
+                    self._fail(self._death_message(rank))
+                if got == "error":
+                    self._fail(f"parallel worker rank {rank} failed:\n{payload.rstrip()}")
+                if got != kind:
+                    self._fail(f"parallel worker rank {rank}: expected {kind!r}, got {got!r}")
+                return payload
+            if ready:
+                dead = next(r for r, p in enumerate(self.procs) if p.sentinel in ready)
+                self._fail(self._death_message(dead))
+            if deadline is not None and time.monotonic() >= deadline:
+                self._fail(f"parallel worker rank {rank} sent no {kind!r} within {timeout:.0f}s")
+
+    def _death_message(self, rank: int) -> str:
+        proc = self.procs[rank]
+        proc.join(timeout=1.0)
+        # A worker that failed with an exception sent its traceback before exiting.
+        conn = self.conns[rank]
+        try:
+            while conn.poll():
+                got, _, payload = decode(conn.recv_bytes())
+                if got == "error":
+                    return f"parallel worker rank {rank} (pid {proc.pid}) failed:\n{payload.rstrip()}"
+        except (EOFError, OSError):
+            pass
+        return (f"parallel worker rank {rank} (pid {proc.pid}, tp rank {rank % self.tp}, pp rank "
+                f"{rank // self.tp}) died with exit code {proc.exitcode}; the engine cannot continue")
+
+    def _fail(self, message: str):
+        if self.failed is None:
+            self.failed = message
+            log.error("%s", message)
+        self._kill_all()
+        raise WorkerDiedError(self.failed)
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        ready = wait(list(sentinels))
+        if self._closing or self.failed is not None:
+            return
+        message = self._death_message(sentinels[ready[0]])
+        if self.failed is None:
+            self.failed = message
+            log.error("%s", message)
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+
+    def close(self) -> None:
+        """Stop every worker (politely first) and wait for them; safe to call twice."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.failed is None:
+            self._broadcast_quietly(("close", None))
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._kill_all()
+        for p in self.procs:
+            p.join(timeout=5.0)
+        for c in self.conns:
+            c.close()
+
+    def _broadcast_quietly(self, msg) -> None:
+        data = encode(msg)
+        for conn in self.conns:
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                pass
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """The most any rank's KV cache needs per block id (its heads, its stage's layers)."""
+        from kvrelay.engine.parallel.layers import local_kv_heads, stage_layers
+
+        cfg = self.spec.config
+        layers = max(b - a for a, b in (stage_layers(cfg.num_layers, self.pp, s) for s in range(self.pp)))
+        heads = local_kv_heads(cfg.num_kv_heads, self.tp)
+        return layers * 2 * block_size * heads * cfg.head_dim * self.spec.dtype.itemsize
+
+    def planned_blocks(self, bytes_per_block: int, cpu_bytes: int) -> int:
+        """Blocks without --kv-cache-memory: on CUDA what every rank's memory plan allows, on CPU
+        cpu_bytes per rank."""
+        if self.spec.device_type != "cuda":
+            return cpu_bytes // bytes_per_block
+        return min(self.planned_kv_bytes) // bytes_per_block
+
+
+def start_executor(args, config, dtype: torch.dtype, device: torch.device, kernel_backend: str, max_model_len: int,
+                   kv_cache_storage=None, spec=None) -> MultiprocExecutor:
+    """The executor for EngineArgs' parallel sizes, after the checks that need no worker."""
+    from kvrelay.engine import architectures
+    from kvrelay.engine.model import DecoderModel
+
+    build_model = architectures.get(config.architecture).build_model
+    if build_model is not None and not (isinstance(build_model, type) and issubclass(build_model, DecoderModel)):
+        raise ValueError(f"{config.architecture} runs its own model class: --tensor-parallel-size and "
+                         f"--pipeline-parallel-size support the built-in decoder's architectures only")
+    if config.moe is not None and args.pipeline_parallel_size > 1:
+        raise ValueError(f"{config.architecture} (mixture of experts): --pipeline-parallel-size must be 1; split "
+                         f"it with --tensor-parallel-size (and --enable-expert-parallel)")
+    if kv_cache_storage is not None:
+        raise ValueError("a KV cache in shared host memory (--kv-shared-cache) needs --tensor-parallel-size 1 and "
+                         "--pipeline-parallel-size 1")
+    if spec is not None and spec.method == "draft":
+        raise ValueError("--speculative-method draft needs --tensor-parallel-size 1 and --pipeline-parallel-size 1 "
+                         "(use --speculative-method ngram)")
+    if args.load_format not in ("auto", "dummy"):
+        raise ValueError(f"load format must be 'auto' or 'dummy', got {args.load_format!r}")
+    if args.quantization not in (None, "int8", "fp8"):
+        raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {args.quantization!r}")
+    if (device.type == "cuda" and args.pipeline_parallel_size > 1 and args.kv_cache_memory is None
+            and not args.num_kv_blocks):
+        raise ValueError("--pipeline-parallel-size on CUDA: give --kv-cache-memory (per GPU) or --num-kv-blocks")
+    if device.type == "cuda" and torch.cuda.device_count() < args.tensor_parallel_size * args.pipeline_parallel_size:
+        raise ValueError(f"--tensor-parallel-size x --pipeline-parallel-size = "
+                         f"{args.tensor_parallel_size * args.pipeline_parallel_size} GPUs, but this node has "
+                         f"{torch.cuda.device_count()}")
+    return MultiprocExecutor(
+        {"model_dir": str(args.model), "config": config, "dtype": dtype, "device_type": device.type,
+         "kernel_backend": kernel_backend, "load_format": args.load_format, "dummy_seed": args.dummy_seed,
+         "quantization": args.quantization, "max_model_len": max_model_len, "block_size": args.block_size,
+         "gpu_memory_utilization": args.gpu_memory_utilization,
+         "max_num_batched_tokens": args.max_num_batched_tokens, "plugins": args.plugins,
+         "enable_expert_parallel": args.enable_expert_parallel},
+        args.tensor_parallel_size, args.pipeline_parallel_size,
+    )

@@ -1,0 +1,251 @@
+"""The CUDA IPC data plane (kvrelay.kvtransfer.cuda_ipc). Without a GPU: its checksum, its copy and
+check, which side offers and answers when, the fallbacks, and the whole protocol between real gRPC
+workers with the handle's opening replaced by the prefill worker's CPU cache itself (the copy is
+then host to host, everything else as on GPUs). With a GPU: the real handle, same tokens as a
+single process."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.engine_args import EngineArgs
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer import cuda_ipc
+from kvrelay.kvtransfer.cuda_ipc import CudaIpcExport, CudaIpcSources, IpcChunk, device_checksum
+from kvrelay.kvtransfer.errors import ChunkError
+from kvrelay.kvtransfer.layout import ChunkRange, ChunkVerifier, KVLayout, chunk_header
+from kvrelay.kvtransfer.metrics import WorkerMetrics
+from kvrelay.kvtransfer.worker_base import WorkerOptions
+from kvrelay.v1 import kv_pb2
+from pd_helpers import assert_all_free, reference_tokens, start_pair, stop_pair
+from test_pd_failures import PROMPT, _tokens
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=12, ignore_eos=True, logprobs=2)
+LAYOUT = KVLayout("m", "r", "float32", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
+
+
+def _fallbacks(metrics, reason: str) -> float:
+    return metrics.plane_fallbacks.labels("cuda-ipc", reason)._value.get()
+
+
+def _cache(num_blocks: int = 10, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim,
+                       generator=g)
+
+
+def test_device_checksum_catches_flipped_bits_and_moved_words():
+    t = _cache()
+    base = device_checksum(t)
+    assert device_checksum(t.clone()) == base and 0 <= base < 2**64
+    words = t.view(torch.int32).reshape(-1)
+    for i, bit in ((0, 0), (77, 31), (words.numel() - 1, 13)):
+        flipped = t.clone()
+        flipped.view(torch.int32).reshape(-1)[i] ^= 1 << bit
+        assert device_checksum(flipped) != base
+    swapped = t.clone()
+    w = swapped.view(torch.int32).reshape(-1)
+    w[[3, 4]] = w[[4, 3]]
+    assert device_checksum(swapped) != base
+    assert device_checksum(torch.arange(7, dtype=torch.uint8)) != device_checksum(torch.arange(6, dtype=torch.uint8))
+
+
+def test_ipc_chunk_copies_the_held_blocks_and_checks_what_landed():
+    source, dest = _cache(seed=1), torch.zeros(LAYOUT.num_layers, 2, 12, 4, 2, 8)
+    r = ChunkRange(1, 3, 0, 3)
+    held, reserved = [7, 2, 5], [0, 9, 4]
+    expected = device_checksum(source[1:3].index_select(2, torch.tensor(held)))
+    chunk = IpcChunk(r, source, held)
+    chunk.expected = expected
+    chunk.copy_into(dest, reserved)
+    for src_b, dst_b in zip(held, reserved, strict=True):
+        assert torch.equal(dest[1:3, :, dst_b], source[1:3, :, src_b])
+    assert not dest[0].any()  # layers outside the range untouched
+    bad = IpcChunk(r, source, held)
+    bad.expected = expected ^ 1
+    with pytest.raises(ChunkError, match="checksum mismatch after the direct copy"):
+        bad.copy_into(dest, reserved)
+
+
+def test_prefill_side_answers_only_with_a_gpu_cache_on_the_offering_node(monkeypatch):
+    metrics = WorkerMetrics()
+    cpu = CudaIpcExport(SimpleNamespace(kv_cache=_cache()), "node-a", metrics)
+    assert cpu.answer(kv_pb2.CudaIpcOffer(node="node-a")) is None
+    assert _fallbacks(metrics, "cpu_cache") == 1
+
+    gpu_like = SimpleNamespace(kv_cache=SimpleNamespace(device=torch.device("cuda", 0)))
+    export = CudaIpcExport(gpu_like, "node-a", metrics)
+    assert export.answer(kv_pb2.CudaIpcOffer(node="node-b")) is None
+    assert _fallbacks(metrics, "other_node") == 1
+
+    handle = kv_pb2.CudaIpcCache(handle=b"h", nonce=b"n" * 16)
+    calls = []
+    monkeypatch.setattr(cuda_ipc, "export_handle", lambda cache: calls.append(cache) or handle)
+    assert export.answer(kv_pb2.CudaIpcOffer(node="node-a")) == handle
+    assert export.answer(kv_pb2.CudaIpcOffer(node="")) == handle  # a decode worker that does not know its node
+    assert len(calls) == 1 and metrics.plane_handoffs.labels("cuda-ipc")._value.get() == 2
+
+    def no_ipc(cache):
+        raise RuntimeError("expandable segments do not support IPC")
+
+    monkeypatch.setattr(cuda_ipc, "export_handle", no_ipc)
+    fresh = CudaIpcExport(gpu_like, "node-a", metrics)
+    assert fresh.answer(kv_pb2.CudaIpcOffer(node="node-a")) is None
+    assert _fallbacks(metrics, "export_failed") == 1
+
+
+def test_decode_side_stops_offering_to_a_prefill_worker_whose_handle_did_not_open():
+    metrics = WorkerMetrics()
+
+    def refuse(msg, dtype):
+        raise RuntimeError("cudaIpcOpenMemHandle: invalid device context")
+
+    sources = CudaIpcSources(LAYOUT, torch.device("cpu"), "node-a", metrics, opener=refuse)
+    assert sources.offer("p:1") == kv_pb2.CudaIpcOffer(node="node-a", device_index=0)
+    msg = kv_pb2.CudaIpcCache(shape=[3, 2, 10, 4, 2, 8], nonce=b"x" * 16)
+    with pytest.raises(ChunkError, match="cannot open the CUDA IPC handle of p:1"):
+        sources.open("p:1", msg)
+    assert sources.offer("p:1") is None and sources.offer("p:2") is not None
+    assert _fallbacks(metrics, "open_failed") == 1
+
+    cache = _cache()
+    opened = CudaIpcSources(LAYOUT, torch.device("cpu"), "", metrics, opener=lambda m, d: cache)
+    with pytest.raises(ChunkError, match="is not"):  # another model's cache shape
+        opened.open("p:3", kv_pb2.CudaIpcCache(shape=[3, 2, 10, 4, 4, 8], nonce=b"y" * 16))
+    assert opened.open("p:4", msg) is cache and opened.open("p:4", msg) is cache  # opened once per nonce
+
+    verifier = ChunkVerifier(LAYOUT, num_tokens=12, num_blocks=3)
+    header = chunk_header(LAYOUT.to_proto(), ChunkRange(0, 3, 0, 3), 12)
+    with pytest.raises(ChunkError, match="names no source blocks"):
+        opened.accept(verifier, header, cache)
+    header.source_block_ids.extend([1, 2, 99])
+    with pytest.raises(ChunkError, match="outside"):
+        opened.accept(verifier, header, cache)
+
+
+async def test_cuda_ipc_on_a_cpu_decode_worker_falls_back_to_inline():
+    pair = await start_pair(decode_options=WorkerOptions(kv_transport="cuda-ipc"))
+    try:
+        assert pair.decode.transport.cuda_ipc is None
+        assert _fallbacks(pair.decode.metrics, "cpu_cache") == 1
+        want = await reference_tokens(PROMPT[:100], SEEDED)
+        assert await _tokens(pair.client.generate(PROMPT[:100], SEEDED, prefill_addr=pair.prefill_addr)) == want
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+
+
+async def _cpu_ipc_pair(monkeypatch, streaming: bool, corrupt: bool = False):
+    """Real workers on the CUDA IPC protocol with CPU caches: the prefill worker answers as a GPU
+    one would, and the decode worker's opener returns the prefill worker's cache tensor."""
+    monkeypatch.setattr(CudaIpcExport, "refusal", lambda self, offer: None)
+    monkeypatch.setattr(cuda_ipc, "export_handle",
+                        lambda cache: kv_pb2.CudaIpcCache(shape=list(cache.shape), nonce=b"c" * 16))
+    popts = WorkerOptions(stream_min_tokens=0 if streaming else 10**9, layer_group_size=2)
+    pair = await start_pair(prefill_options=popts)
+    cache = pair.prefill.llm.kv_cache
+
+    def opener(msg, dtype):
+        if not corrupt:
+            return cache
+        changed = cache.clone()
+        changed.view(torch.int32).reshape(-1)[:: 1 << 16] ^= 1  # what the decode worker reads differs
+        return changed
+
+    t = pair.decode.transport
+    t.cuda_ipc = CudaIpcSources(t.layout, torch.device("cpu"), "", pair.decode.metrics, opener=opener)
+    return pair
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["layer_streamed", "after_prefill"])
+async def test_cuda_ipc_protocol_equals_single_process(monkeypatch, streaming):
+    pair = await _cpu_ipc_pair(monkeypatch, streaming)
+    ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
+    await ref.start()
+    try:
+        rng = random.Random(4)
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 300)]
+        prompts.append(prompts[-1][:200] + [9, 9, 9])  # a prefix-cache hit on the prefill side
+        for prompt in prompts:
+            for params in (GREEDY, SEEDED):
+                got = [o async for o in pair.client.generate(prompt, params, prefill_addr=pair.prefill_addr)]
+                want = [o async for o in ref.generate(prompt, params)]
+                assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
+        assert pair.prefill.metrics.plane_handoffs.labels("cuda-ipc")._value.get() >= 4
+        assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 0
+        moved = pair.decode.metrics.kv_bytes._value.get()
+        assert moved > 0 and pair.decode.metrics.kv_plane_bytes.labels("cuda-ipc")._value.get() == moved
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+        await ref.shutdown()
+
+
+async def test_cuda_ipc_chunk_whose_bytes_differ_is_caught_and_falls_back(monkeypatch):
+    pair = await _cpu_ipc_pair(monkeypatch, streaming=False, corrupt=True)
+    try:
+        want = await reference_tokens(PROMPT, SEEDED)
+        assert await _tokens(pair.client.generate(PROMPT, SEEDED, prefill_addr=pair.prefill_addr)) == want
+        assert pair.decode.metrics.failures.labels("ChunkError")._value.get() == 1
+        assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 1
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("corrupt", [False, True], ids=["parity", "corrupted_copy"])
+async def test_cuda_ipc_on_gpu_equals_single_process(corrupt):
+    """Both workers in this process on one GPU (the handle opens as the exported tensor): greedy
+    and seeded with layer streaming, then a prefix hit; with the copy's source changed, every
+    hand-off is caught and prefilled locally, with the same answers."""
+    from kvrelay.decode.worker import DecodeWorker
+    from kvrelay.kvtransfer.client import DecodeClient
+    from kvrelay.prefill.worker import PrefillWorker
+    from pd_helpers import BUNDLED_MODEL
+
+    popts = WorkerOptions(stream_min_tokens=0, layer_group_size=2)
+    args = {"device": "cuda", "num_kv_blocks": 96}
+    p = PrefillWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), popts)
+    d = DecodeWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), WorkerOptions(kv_transport="cuda-ipc"))
+    pp, dp = await p.start(), await d.start()
+    if corrupt:
+        def changed(msg, dtype):
+            cache = cuda_ipc.open_handle(msg, dtype).clone()
+            cache.view(torch.int32).reshape(-1)[:: 1 << 12] ^= 1
+            return cache
+
+        d.transport.cuda_ipc._opener = changed
+    ref = AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args))
+    await ref.start()
+    client = DecodeClient(f"127.0.0.1:{dp}")
+    try:
+        runs = [(PROMPT, GREEDY), (PROMPT, SEEDED), (PROMPT[:200] + [9, 9, 9], GREEDY)]  # the last: a prefix hit
+        for prompt, params in runs:
+            got = await _tokens(client.generate(prompt, params, prefill_addr=f"127.0.0.1:{pp}"))
+            assert got == await _tokens(ref.generate(prompt, params))
+        failures = d.metrics.failures.labels("ChunkError")._value.get()
+        moved = d.metrics.kv_plane_bytes.labels("cuda-ipc")._value.get()
+        if corrupt:
+            assert failures == len(runs) == d.metrics.fallbacks.labels("local")._value.get()
+        else:
+            assert failures == 0 and moved > 0 and p.metrics.plane_handoffs.labels("cuda-ipc")._value.get() == 3
+        await assert_all_free(p.engine, d.engine)
+    finally:
+        await client.close()
+        await p.stop(0)
+        await d.stop(0)
+        await ref.shutdown()
+
+
+def test_a_cache_exported_by_this_process_opens_as_itself(monkeypatch):
+    """CUDA refuses to open a process's own IPC handle: a decode worker in the prefill worker's
+    process (the GPU device script) gets the exported tensor itself."""
+    cache = _cache()
+    monkeypatch.setitem(cuda_ipc._EXPORTED, b"z" * 16, cache)
+    assert cuda_ipc.open_handle(kv_pb2.CudaIpcCache(nonce=b"z" * 16), torch.float32) is cache
