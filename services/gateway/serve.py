@@ -136,7 +136,7 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
     def wait_for(role: str, proc: subprocess.Popen) -> None:
         code = proc.wait()
         if not server.should_exit:
-            log.error("kvrelay serve: the %s process exited with code %s; stopping", role, code)
+            log.error("kvrelay serve: the local %s worker exited with code %s; stopping", role, code)
             lost.append(role)
             server.should_exit = True  # read by uvicorn's main loop on its next tick
 
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     from kvrelay.engine.core.client import EngineProcess
 
     tenants = load_tenants(args)  # its errors first, before a model loads
-    process = EngineProcess.start(engine_args, args.log_level, watchdog)
+    process = EngineProcess.start(engine_args, args.log_level, watchdog, args.log_format)
     try:
         backend = LocalBackend(engine_args, process, stats_interval_s=args.stats_interval)
         gateway = Gateway(backend, tenants, build_quota(args), gateway_config(args))

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from gateway_helpers import GatewayProcess, WorkerProcess
@@ -90,9 +91,16 @@ def test_serve_stops_on_ctrl_c_and_sigterm_with_code_0_and_no_traceback(sig, tmp
                 "max_tokens": 2}
         for _ in range(2):  # the second request hits the prefix cache
             assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
-        metrics = {line.split()[0]: float(line.split()[1])
-                   for line in httpx.get(server.url + "/metrics").text.splitlines() if line.startswith("kvrelay:")}
-        assert metrics["kvrelay:prefix_cache_hits_total"] >= 16 and metrics["kvrelay:num_preemptions_total"] == 0
+
+        def metrics() -> dict[str, float]:
+            return {line.split()[0]: float(line.split()[1])
+                    for line in httpx.get(server.url + "/metrics").text.splitlines() if line.startswith("kvrelay:")}
+
+        deadline = time.monotonic() + 10  # the engine process reports its stats every few hundred ms
+        while metrics().get("kvrelay:prefix_cache_hits_total", 0) < 16:
+            assert time.monotonic() < deadline, metrics()
+            time.sleep(0.1)
+        assert metrics()["kvrelay:num_preemptions_total"] == 0
         server.proc.send_signal(sig)
         assert server.proc.wait(30) == 0
     finally:
@@ -104,8 +112,6 @@ def test_serve_stops_on_ctrl_c_and_sigterm_with_code_0_and_no_traceback(sig, tmp
 def test_serve_stopped_while_loading_exits_0_without_traceback():
     proc = subprocess.Popen([*KVRELAY, "serve", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    import time
-
     time.sleep(1.5)  # inside imports or the model load
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)

@@ -44,13 +44,14 @@ class EngineProcess:
         self.args = args
 
     @classmethod
-    def start(cls, args: EngineArgs, log_level: str = "info", watchdog=None) -> EngineProcess:
+    def start(cls, args: EngineArgs, log_level: str = "info", watchdog=None, log_format: str = "text") -> EngineProcess:
         """watchdog: a kvrelay.kvtransfer.watchdog.WatchdogConfig for the step loop (None: its defaults)."""
         directory = Path(tempfile.mkdtemp(prefix="kvrelay-engine-"))  # mode 0700: only this user
         (directory / "args.pkl").write_bytes(pickle.dumps(args))
         if watchdog is not None:
             (directory / "watchdog.pkl").write_bytes(pickle.dumps(watchdog))
-        env = os.environ | {PARENT_PID_ENV: str(os.getpid()), "KVRELAY_LOG_LEVEL": log_level}
+        env = os.environ | {PARENT_PID_ENV: str(os.getpid()), "KVRELAY_LOG_LEVEL": log_level,
+                              "KVRELAY_LOG_FORMAT": log_format}
         proc = subprocess.Popen([sys.executable, "-m", "kvrelay.engine.core.process", str(directory)],
                                 stdout=subprocess.PIPE, text=True, env=env)
         for line in proc.stdout:

@@ -26,6 +26,8 @@ from kvrelay.engine.errors import EngineError
 from kvrelay.kvtransfer.watchdog import HANG_AFTER_STEPS_ENV, Watchdog, WatchdogConfig, install_hang_hook
 from kvrelay.kvtransfer.worker_base import _stop_with_parent
 
+from kvrelay.log_format import setup_logging
+
 log = logging.getLogger(__name__)
 READY_LINE = "kvrelay engine-core ready"
 
@@ -139,8 +141,7 @@ class EngineCoreServer:
 def main(argv: list[str] | None = None) -> int:
     directory = Path((argv or sys.argv[1:])[0])
     args = pickle.loads((directory / "args.pkl").read_bytes())  # written by our parent
-    level = os.environ.get("KVRELAY_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(os.environ.get("KVRELAY_LOG_LEVEL", "info"), os.environ.get("KVRELAY_LOG_FORMAT", "text"))
     _stop_with_parent()
     # Ctrl+C reaches the whole process group: the API process stops first and then stops this one,
     # so a request in flight still gets its error event, and serve's exit code is its own.
