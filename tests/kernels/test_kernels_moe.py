@@ -169,6 +169,16 @@ def test_fp8_experts_without_scales_are_refused():
         moe_reference.fused_moe(torch.zeros(3, 32), q13, q2, weights, ids)
 
 
+def test_fp8_experts_on_a_gpu_without_fp8_tensor_cores_get_one_clear_error(monkeypatch):
+    from kvrelay.kernels import triton_moe
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    with pytest.raises(ValueError, match=r"compute capability 8\.9\+.*this GPU is 8\.0; use --quantization int8"):
+        triton_moe.check_fp8_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
+    triton_moe.check_fp8_device(torch.device("cuda", 0))
+
+
 def test_moe_align_groups_and_pads_by_expert():
     ids = torch.tensor([[2, 0], [2, 1], [0, 2], [5, -1]])  # 5 and -1: not this rank's experts (E=4)
     slots, block_expert = moe_align(ids, num_experts=4, block_m=2)
