@@ -162,6 +162,24 @@ def test_fp8_experts_with_zero_one_and_every_token_and_foreign_ids():
     torch.testing.assert_close(want[7:8], alone, atol=1e-6, rtol=1e-6)
 
 
+def test_fp8_experts_split_over_two_ranks_sum_to_the_whole():
+    # Expert parallelism: each rank quantizes only its experts, per expert and channel, so its shard
+    # equals the slice of one process's fp8 experts; x (and so its per-token scales) is whole on
+    # every rank. Top-2: each token's sum is a + b on one rank or (a + 0) + (0 + b) over two: exact.
+    t, e, h, i = 10, 8, 32, 24
+    (q13, q2, s13, s2), (w13, _) = _fp8_experts(e, h, i, seed=51)
+    lo13, lo_s13 = reference.quantize_fp8(w13[:4].reshape(-1, h))
+    assert torch.equal(lo13.view(torch.uint8), q13[:4].reshape(-1, h).view(torch.uint8))
+    assert torch.equal(lo_s13, s13[:4].reshape(-1))
+    x = torch.randn((t, h), generator=torch.Generator().manual_seed(52))
+    weights, ids = _route(t, e, 2, seed=53)
+    full = moe_reference.fused_moe(x, q13, q2, weights, ids, s13, s2)
+    for moe in (moe_reference.fused_moe, fused_moe):
+        low = moe(x, q13[:4], q2[:4], weights, ids.masked_fill(ids >= 4, -1), s13[:4], s2[:4])
+        high = moe(x, q13[4:], q2[4:], weights, ids - 4, s13[4:], s2[4:])
+        torch.testing.assert_close(low + high, full, atol=1e-6 if moe is fused_moe else 0, rtol=1e-6)
+
+
 def test_fp8_experts_without_scales_are_refused():
     (q13, q2, _, _), _ = _fp8_experts(4, 32, 16, seed=0)
     weights, ids = _route(3, 4, 2, seed=0)
