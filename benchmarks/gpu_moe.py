@@ -6,7 +6,9 @@ bf16 weights) through the engine on the Triton kernels.
   reference MoE) on the same device;
 - throughput: requests of random ids, EOS ignored, kvrelay with graphs against the torch backend
   (per-expert reference loop) on the same weights;
-- expert load: the imbalance the counters report after the run.
+- expert load: the imbalance the counters report after the run;
+- fp8 (--quantization fp8: W8A8 experts and projections): the Triton fp8 path against the torch
+  backend's fp8 reference on the same device (parity and tok/s beside the bf16 rows).
 """
 
 from __future__ import annotations
@@ -71,9 +73,16 @@ def section_moe(rep, device: str, smoke: bool) -> None:
                  "torch": {"kernel_backend": "torch", "enforce_eager": True}}
         if not smoke:
             modes = {"triton graphs": {"kernel_backend": "triton"}} | modes
+        fp8 = {"quantization": "fp8"}
+        fp8_modes = {"fp8 torch": {"kernel_backend": "torch", "enforce_eager": True} | fp8,
+                     "fp8 triton eager": {"kernel_backend": "triton", "enforce_eager": True} | fp8}
+        if not smoke:
+            fp8_modes["fp8 triton graphs"] = {"kernel_backend": "triton"} | fp8
+        modes |= fp8_modes
         for name, extra in modes.items():
             engine = _engine(model_dir, device, **kw, **extra)
-            _run(engine, reqs[:2], "warm")  # compiles the kernels outside the measurement
+            if not smoke:  # the interpreter compiles nothing: no warm-up on CPU
+                _run(engine, reqs[:2], "warm")  # compiles the kernels outside the measurement
             tokens, seconds = _run(engine, reqs, "r")
             generated = sum(len(t) for t in tokens.values())
             load = engine.model.expert_load()
@@ -88,7 +97,8 @@ def section_moe(rep, device: str, smoke: bool) -> None:
                 torch.cuda.empty_cache()  # the next engine sizes its KV cache from free memory
         first = next(iter(results))
         for name, tokens in results.items():
-            if name != first:
-                same = sum(tokens[k] == results[first][k] for k in tokens)
+            base = "fp8 torch" if name.startswith("fp8") else first  # fp8 against fp8
+            if name != base:
+                same = sum(tokens[k] == results[base][k] for k in tokens)
                 rep.add(f"moe_parity_{name.replace(' ', '_')}", same,
-                        f"moe greedy {name} vs {first}: {same}/{len(tokens)} identical")
+                        f"moe greedy {name} vs {base}: {same}/{len(tokens)} identical")

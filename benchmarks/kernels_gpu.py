@@ -397,8 +397,10 @@ def bench_int8(b: Bench, ops, ref, shapes):
 
 
 def bench_moe(b: Bench, ops, shapes):
-    """The fused MoE kernel beside a per-expert torch loop (what a plain PyTorch MoE layer does).
-    Bytes: the experts the routing touched plus activations; FLOPs: 6 * tokens * top_k * H * I."""
+    """The fused MoE kernel beside a per-expert torch loop (what a plain PyTorch MoE layer does), with
+    bf16 and (FP8 GPUs) fp8 experts. Bytes: the experts the routing touched plus activations (the fp8
+    row counts the activations at one byte too: a lower bound); FLOPs: 6 * tokens * top_k * H * I."""
+    from kvrelay.kernels import reference as ref
     from kvrelay.kernels.moe_reference import fused_moe as moe_ref
     from kvrelay.kernels.moe_reference import fused_moe_per_expert_loop
 
@@ -422,6 +424,26 @@ def bench_moe(b: Bench, ops, shapes):
             want,
             got,
             nbytes=nbytes if tokens <= 64 else None,
+            flops=flops if tokens > 64 else None,
+            atol=5e-2,
+            rtol=5e-2,
+        )
+        if b.device.type == "cuda" and torch.cuda.get_device_capability(b.device) < (8, 9):
+            continue  # fp8 experts need FP8 tensor cores
+        # fp8 experts (W8A8, per expert per channel weight scales, per token activation scales) against
+        # the same bf16 expert loop; checked against the fp8 reference.
+        q13, s13 = ref.quantize_fp8(w13.reshape(-1, hidden))
+        q2, s2 = ref.quantize_fp8(w2.reshape(-1, inter))
+        q13, q2, s13, s2 = q13.view(w13.shape), q2.view(w2.shape), s13.view(experts, -1), s2.view(experts, -1)
+        b.add(
+            "fused_moe_fp8",
+            f"T={tokens} H={hidden} I={inter} E={experts} k={top_k}",
+            partial(ops.fused_moe, x, q13, q2, weights, ids, s13, s2),
+            partial(fused_moe_per_expert_loop, x, w13, w2, weights, ids),
+            "expert loop bf16",
+            moe_ref(x, q13, q2, weights, ids, s13, s2),
+            ops.fused_moe(x, q13, q2, weights, ids, s13, s2),
+            nbytes=nbytes // w13.element_size() if tokens <= 64 else None,
             flops=flops if tokens > 64 else None,
             atol=5e-2,
             rtol=5e-2,

@@ -10,6 +10,9 @@ fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None) -> 
   experts [start, start + E) and gets ids shifted by start, so other ranks' experts fall outside.
 - int8 weights carry per-output-channel fp32 scales w13_scale[E, 2I] and w2_scale[E, H] (the scheme
   of kvrelay.kernels.reference.quantize_int8, per expert).
+- float8_e4m3fn weights carry the same per-output-channel scales (quantize_fp8, per expert) and make
+  each expert projection W8A8 exactly as the dense reference.fp8_linear: the expert's input rows are
+  quantized to fp8 per token (dynamic scales), then the fp32-accumulated product is scaled.
 - Each expert's projections run in x's dtype (rounded as an eager torch MLP rounds), the routing
   weight is applied in fp32 and the k contributions are summed in fp32, then cast to x's dtype.
 """
@@ -23,6 +26,11 @@ import torch.nn.functional as F
 def _expert_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     if scale is None:
         return F.linear(x, w)
+    if w.dtype == torch.float8_e4m3fn:
+        # Imported here: kvrelay.kernels.reference imports this module to re-export fused_moe.
+        from kvrelay.kernels.reference import fp8_linear
+
+        return fp8_linear(x, w, scale)
     return (torch.matmul(x.float(), w.float().t()) * scale.float()).to(x.dtype)
 
 
@@ -41,7 +49,11 @@ def check_moe_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> N
             f"[{x.shape[0]}, top_k]"
         )
     if (w13_scale is None) != (w2_scale is None):
-        raise ValueError("int8 experts need both w13_scale and w2_scale")
+        raise ValueError("quantized (int8/fp8) experts need both w13_scale and w2_scale")
+    if w2.dtype != w13.dtype:
+        raise ValueError(f"w13 and w2 must share a dtype, got {w13.dtype} and {w2.dtype}")
+    if w13.dtype in (torch.int8, torch.float8_e4m3fn) and w13_scale is None:
+        raise ValueError(f"{w13.dtype} experts need per-output-channel w13_scale and w2_scale")
     if w13_scale is not None and (tuple(w13_scale.shape) != (e, two_i) or tuple(w2_scale.shape) != (e, h)):
         raise ValueError(
             f"scales must be [{e}, {two_i}] and [{e}, {h}], got "

@@ -11,7 +11,10 @@
 3. One grouped GEMM for down, scaled by each row's routing weight in fp32 and stored to the
    row's (token, k) slot; the k slots of a token are summed in fp32 afterwards.
 int8 weights (per expert, per output channel scales) are dequantised in the epilogue, as in
-kvrelay.kernels.triton_int8.
+kvrelay.kernels.triton_int8. float8_e4m3fn weights make both GEMMs W8A8 as the dense fp8 linear
+(kvrelay.kernels.triton_fp8): x is quantized per token before the gate_up GEMM and the activation
+rows per row before the down GEMM, tl.dot multiplies the fp8 operands on the tensor cores (compute
+capability 8.9+) into fp32, and the epilogue applies the row scale then the channel scale in fp32.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import triton
 import triton.language as tl
 from kvrelay.kernels.moe_reference import check_moe_args
 from kvrelay.kernels.triton_common import dot_in_fp32, on_device, pow2
+from kvrelay.kernels.triton_fp8 import quantize_fp8
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,9 +61,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 @triton.jit(do_not_specialize=["num_slots"])  # the token count changes every step
 def _gate_up_kernel(
-    x_ptr, w_ptr, scale_ptr, slots_ptr, block_expert_ptr, out_ptr,
+    x_ptr, x_scale_ptr, w_ptr, scale_ptr, slots_ptr, block_expert_ptr, out_ptr,
     num_slots, inter, hidden, x_stride, w_stride_e, w_stride_n, out_stride,
-    TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+    TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_FP32: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -85,13 +89,21 @@ def _gate_up_kernel(
         w_mask = k_mask[:, None] & n_mask[None, :]
         wg = tl.load(w_gate + k[:, None], mask=w_mask, other=0)  # [K, N]
         wu = tl.load(w_up + k[:, None], mask=w_mask, other=0)
-        if DOT_FP32:
+        if FP8:  # fp8 x fp8 on the tensor cores, fp32 accumulation; loaded as bytes (see fused_moe)
+            a = a.to(tl.float8e4nv, bitcast=True)
+            acc_gate = tl.dot(a, wg.to(tl.float8e4nv, bitcast=True), acc_gate)
+            acc_up = tl.dot(a, wu.to(tl.float8e4nv, bitcast=True), acc_up)
+        elif DOT_FP32:
             a = a.to(tl.float32)
             acc_gate = tl.dot(a, wg.to(tl.float32), acc_gate, input_precision="ieee")
             acc_up = tl.dot(a, wu.to(tl.float32), acc_up, input_precision="ieee")
         else:  # int8 weights are exact in fp16/bf16
             acc_gate = tl.dot(a, wg.to(a.dtype), acc_gate)
             acc_up = tl.dot(a, wu.to(a.dtype), acc_up)
+    if FP8:  # the token's activation scale first, as reference.fp8_linear multiplies
+        x_scale = tl.load(x_scale_ptr + token, mask=valid, other=0.0)[:, None]
+        acc_gate = acc_gate * x_scale
+        acc_up = acc_up * x_scale
     if HAS_SCALE:
         scales = scale_ptr + expert * 2 * inter + rn
         acc_gate = acc_gate * tl.load(scales, mask=n_mask, other=0.0)[None, :]
@@ -107,10 +119,10 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_slots"])
 def _down_kernel(
-    h_ptr, w_ptr, scale_ptr, slots_ptr, block_expert_ptr, weights_ptr, out_ptr,
+    h_ptr, h_scale_ptr, w_ptr, scale_ptr, slots_ptr, block_expert_ptr, weights_ptr, out_ptr,
     num_slots, hidden, inter, h_stride, w_stride_e, w_stride_n, out_stride,
-    HAS_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, DOT_FP32: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
@@ -130,16 +142,31 @@ def _down_kernel(
         k_mask = k < inter
         a = tl.load(h_rows + k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)
-        if DOT_FP32:
+        if FP8:
+            acc = tl.dot(a.to(tl.float8e4nv, bitcast=True), w.to(tl.float8e4nv, bitcast=True), acc)
+        elif DOT_FP32:
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w.to(a.dtype), acc)
+    if FP8:
+        acc = acc * tl.load(h_scale_ptr + rows, mask=valid, other=0.0)[:, None]
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + expert * hidden + rn, mask=n_mask, other=0.0)[None, :]
-    acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)  # the expert's output in the dtype, as the reference
+    acc = acc.to(OUT_DTYPE).to(tl.float32)  # the expert's output in the dtype, as the reference
     weight = tl.load(weights_ptr + slot, mask=valid, other=0.0)
     dst = out_ptr + slot.to(tl.int64)[:, None] * out_stride + rn[None, :]
     tl.store(dst, acc * weight[:, None], mask=valid[:, None] & n_mask[None, :])
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """fp8 experts multiply fp8 operands on FP8 tensor cores: one clear error on GPUs without them."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"fp8 MoE experts need FP8 tensor cores (compute capability 8.9+: Ada, Hopper or "
+                         f"newer), this GPU is {major}.{minor}; use --quantization int8")
 
 
 def _tiles(rows_per_expert: float, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -175,25 +202,39 @@ def fused_moe(
         return partial.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
-    bm, bn, bk, warps = _tiles(num_slots / num_experts, x.dtype)
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    if fp8:
+        check_fp8_device(x.device)
+    # fp8 dots run on tensor cores whatever x's dtype (fp32 included): the 16-bit tiles, K >= 32.
+    bm, bn, bk, warps = _tiles(num_slots / num_experts, torch.bfloat16 if fp8 else x.dtype)
+    min_k = 32 if fp8 else 16
     slots, block_expert = moe_align(on_device(topk_ids, x.device), num_experts, bm)
     num_blocks = block_expert.shape[0]
-    h = torch.empty((num_blocks * bm, inter), dtype=x.dtype, device=x.device)
+    # fp8: every row of h is quantized, so the pad rows (never stored by the kernel) must be finite.
+    h = (torch.zeros if fp8 else torch.empty)((num_blocks * bm, inter), dtype=x.dtype, device=x.device)
     has_scale = w13_scale is not None
     s13 = on_device(w13_scale.float(), x.device) if has_scale else x
     s2 = on_device(w2_scale.float(), x.device) if has_scale else x
     dot32 = dot_in_fp32(x.dtype)
+    a, a_scale = quantize_fp8(x) if fp8 else (x, x)  # per-token dynamic scales
+    if fp8:  # fp8 operands travel as uint8 and are bitcast after a masked load with a zero fill
+        a, w13, w2 = a.view(torch.uint8), w13.view(torch.uint8), w2.view(torch.uint8)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, bn))](
-        x, w13, s13, slots, block_expert, h,
-        num_slots, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOP_K=top_k, HAS_SCALE=has_scale, DOT_FP32=dot32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=min(bk, pow2(hidden, 16)), num_warps=warps,
+        a, a_scale, w13, s13, slots, block_expert, h,
+        num_slots, inter, hidden, a.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        TOP_K=top_k, HAS_SCALE=has_scale, DOT_FP32=dot32, FP8=fp8,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=min(bk, pow2(hidden, min_k)), num_warps=warps,
     )
     weights = on_device(topk_weights.float(), x.device)
+    hq, h_scale = h, h
+    if fp8:  # per row of the sorted activations
+        hq, h_scale = quantize_fp8(h)
+        hq = hq.view(torch.uint8)
     _down_kernel[(num_blocks, triton.cdiv(hidden, bn))](
-        h, w2, s2, slots, block_expert, weights, partial,
-        num_slots, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
-        HAS_SCALE=has_scale, DOT_FP32=dot32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=min(bk, pow2(inter, 16)), num_warps=warps,
+        hq, h_scale, w2, s2, slots, block_expert, weights, partial,
+        num_slots, hidden, inter, hq.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
+        HAS_SCALE=has_scale, DOT_FP32=dot32, FP8=fp8,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=min(bk, pow2(inter, min_k)), OUT_DTYPE=_TL_DTYPES[x.dtype],
+        num_warps=warps,
     )
     return partial.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -24,6 +24,7 @@ def test_gpu_engine_cpu_smoke_runs_every_section():
     assert "speculative draft=target, batch 16" in summary and "identical to plain: True" in summary
     assert "hand-off 100 tokens over cuda-ipc" in summary and "identical: False" not in summary
     assert "moe Mixtral-shape triton eager" in summary and "moe greedy torch vs triton eager: 4/4 identical" in summary
+    assert "moe greedy fp8 triton eager vs fp8 torch: 4/4 identical" in summary
     assert summary.rstrip().endswith("# failed sections: none")
 
 

@@ -89,6 +89,8 @@ def exercise(ops) -> None:
             weights = torch.zeros((m, 2))
             ops.fused_moe(x, w13, w2, weights, ids)
             ops.fused_moe(x, q13, q2, weights, ids, torch.zeros((8, 896)), torch.zeros((8, 256)))
+            ops.fused_moe(x, q13.view(torch.float8_e4m3fn), q2.view(torch.float8_e4m3fn), weights, ids,
+                          torch.zeros((8, 896)), torch.zeros((8, 256)))
 
 
 def count_recompiles(ops) -> dict[str, int]:

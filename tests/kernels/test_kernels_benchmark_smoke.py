@@ -22,7 +22,7 @@ def test_benchmark_script_cpu_smoke_runs_every_kernel_correctly():
     lines = out.stdout.splitlines()
     for kernel in ("decode_attention", "prefill_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
                    "rotary_embedding", "write_kv", "gather_blocks", "scatter_blocks", "quantize_int8",
-                   "int8_matmul", "fused_moe"):
+                   "int8_matmul", "fused_moe", "fused_moe_fp8"):
         assert any(line.startswith(kernel + " ") and line.endswith(" yes") for line in lines), kernel
     assert any(line.startswith("decode_attention[stages=5]") for line in lines)
     assert any(line.startswith("prefill_attention[128x128 w8 s2]") for line in lines)

@@ -99,6 +99,104 @@ def test_int8_experts(t, k, dtype):
     torch.testing.assert_close(want.float(), full, atol=0.05, rtol=0.05)
 
 
+def _fp8_experts(e: int, h: int, i: int, seed: int):
+    """Per expert, per output channel float8_e4m3fn (as MoEWeights.quantize_experts), and the fp32 originals."""
+    w13, w2 = _experts(e, h, i, torch.float32, seed=seed)
+    q13, s13 = reference.quantize_fp8(w13.reshape(e * 2 * i, h))
+    q2, s2 = reference.quantize_fp8(w2.reshape(e * h, i))
+    return (q13.view(e, 2 * i, h), q2.view(e, h, i), s13.view(e, 2 * i), s2.view(e, h)), (w13, w2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_reference_is_a_per_expert_loop_of_dense_fp8_linear(dtype):
+    e, h, i, t, k = 8, 48, 40, 9, 2
+    (q13, q2, s13, s2), _ = _fp8_experts(e, h, i, seed=21)
+    x = torch.randn((t, h), generator=torch.Generator().manual_seed(22)).to(dtype)
+    weights, ids = _route(t, e, k, seed=23)
+    want = torch.zeros((t, h))
+    for tok in range(t):  # one (token, expert) pair at a time through the dense W8A8 linear
+        for j in range(k):
+            ex = int(ids[tok, j])
+            gate, up = reference.fp8_linear(x[tok : tok + 1], q13[ex], s13[ex]).chunk(2, dim=-1)
+            y = reference.fp8_linear(F.silu(gate) * up, q2[ex], s2[ex])
+            want[tok] += weights[tok, j] * y[0].float()
+    got = moe_reference.fused_moe(x, q13, q2, weights, ids, s13, s2)
+    assert got.dtype == dtype
+    # Same arithmetic; only the fp32 matmul's summation order differs between a 1-row and a many-row
+    # product (~1e-7 relative), which can move an output by one ulp of the dtype, or rarely tip one
+    # activation across an fp8 rounding boundary in the down projection (one term of the sum off
+    # by <= 2^-4 of itself): fp32 within 1e-5, 16-bit dtypes within a couple of their ulps.
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else TOLERANCES[dtype]
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,k", [(1, 1), (3, 2), (40, 8)])
+def test_fp8_experts_kernel_matches_reference(t, k, dtype):
+    e, h, i = 8, 48, 40
+    (q13, q2, s13, s2), (w13, w2) = _fp8_experts(e, h, i, seed=31)
+    x = torch.randn((t, h), generator=torch.Generator().manual_seed(32)).to(dtype)
+    weights, ids = _route(t, e, k, seed=33)
+    want = moe_reference.fused_moe(x, q13, q2, weights, ids, s13, s2)
+    got = fused_moe(x, q13, q2, weights, ids, s13, s2)  # the interpreter runs tl.dot on fp8 operands
+    assert got.dtype == dtype and got.shape == (t, h)
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCES[dtype])
+    # W8A8 on both GEMMs: e4m3's 3 mantissa bits (<= 2^-4 relative per element) average down over
+    # the sums to ~6% relative error against the unquantised experts here.
+    full = moe_reference.fused_moe(x.float(), w13, w2, weights, ids)
+    assert float((want.float() - full).norm() / full.norm()) < 0.1
+
+
+def test_fp8_experts_with_zero_one_and_every_token_and_foreign_ids():
+    t, e, k, h, i = 12, 6, 2, 32, 40
+    (q13, q2, s13, s2), _ = _fp8_experts(e, h, i, seed=41)
+    x = torch.randn((t, h), generator=torch.Generator().manual_seed(42))
+    ids = torch.zeros((t, k), dtype=torch.int64)  # expert 0: every token
+    ids[:, 1] = 3
+    ids[4, 1] = 5  # expert 5: one token; 1, 2 and 4 none
+    ids[7, 1] = -2  # another rank's expert: contributes nothing
+    weights = torch.rand((t, k), generator=torch.Generator().manual_seed(43))
+    want = moe_reference.fused_moe(x, q13, q2, weights, ids, s13, s2)
+    torch.testing.assert_close(fused_moe(x, q13, q2, weights, ids, s13, s2), want, atol=1e-5, rtol=1e-5)
+    alone = moe_reference.fused_moe(x[7:8], q13, q2, weights[7:8, :1], ids[7:8, :1], s13, s2)
+    torch.testing.assert_close(want[7:8], alone, atol=1e-6, rtol=1e-6)
+
+
+def test_fp8_experts_split_over_two_ranks_sum_to_the_whole():
+    # Expert parallelism: each rank quantizes only its experts, per expert and channel, so its shard
+    # equals the slice of one process's fp8 experts; x (and so its per-token scales) is whole on
+    # every rank. Top-2: each token's sum is a + b on one rank or (a + 0) + (0 + b) over two: exact.
+    t, e, h, i = 10, 8, 32, 24
+    (q13, q2, s13, s2), (w13, _) = _fp8_experts(e, h, i, seed=51)
+    lo13, lo_s13 = reference.quantize_fp8(w13[:4].reshape(-1, h))
+    assert torch.equal(lo13.view(torch.uint8), q13[:4].reshape(-1, h).view(torch.uint8))
+    assert torch.equal(lo_s13, s13[:4].reshape(-1))
+    x = torch.randn((t, h), generator=torch.Generator().manual_seed(52))
+    weights, ids = _route(t, e, 2, seed=53)
+    full = moe_reference.fused_moe(x, q13, q2, weights, ids, s13, s2)
+    for moe in (moe_reference.fused_moe, fused_moe):
+        low = moe(x, q13[:4], q2[:4], weights, ids.masked_fill(ids >= 4, -1), s13[:4], s2[:4])
+        high = moe(x, q13[4:], q2[4:], weights, ids - 4, s13[4:], s2[4:])
+        torch.testing.assert_close(low + high, full, atol=1e-6 if moe is fused_moe else 0, rtol=1e-6)
+
+
+def test_fp8_experts_without_scales_are_refused():
+    (q13, q2, _, _), _ = _fp8_experts(4, 32, 16, seed=0)
+    weights, ids = _route(3, 4, 2, seed=0)
+    with pytest.raises(ValueError, match="float8_e4m3fn experts need per-output-channel w13_scale"):
+        moe_reference.fused_moe(torch.zeros(3, 32), q13, q2, weights, ids)
+
+
+def test_fp8_experts_on_a_gpu_without_fp8_tensor_cores_get_one_clear_error(monkeypatch):
+    from kvrelay.kernels import triton_moe
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    with pytest.raises(ValueError, match=r"compute capability 8\.9\+.*this GPU is 8\.0; use --quantization int8"):
+        triton_moe.check_fp8_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
+    triton_moe.check_fp8_device(torch.device("cuda", 0))
+
+
 def test_moe_align_groups_and_pads_by_expert():
     ids = torch.tensor([[2, 0], [2, 1], [0, 2], [5, -1]])  # 5 and -1: not this rank's experts (E=4)
     slots, block_expert = moe_align(ids, num_experts=4, block_m=2)

@@ -110,7 +110,7 @@ class MoEWeights:
     w2: torch.Tensor  # [E_local, H, I]
     expert_start: int
     num_experts: int
-    w13_scale: torch.Tensor | None = None  # [E_local, 2I] when the experts are int8
+    w13_scale: torch.Tensor | None = None  # [E_local, 2I] when the experts are int8 or fp8
     w2_scale: torch.Tensor | None = None  # [E_local, H]
     shared_gate_up: Linear | None = None
     shared_down: Linear | None = None
@@ -120,10 +120,9 @@ class MoEWeights:
         return [lin for lin in (self.shared_gate_up, self.shared_down) if lin is not None]
 
     def quantize_experts(self, quantize) -> None:
-        """Per expert, per output channel int8 (the kernel op quantize_int8, over the experts' rows)."""
+        """Per expert, per output channel int8 or float8_e4m3fn (the kernel op quantize_int8 or
+        quantize_fp8, over the experts' rows: one row is one output channel of one expert)."""
         w13_q, s13 = quantize(self.w13.reshape(-1, self.w13.shape[-1]))
-        if w13_q.dtype != torch.int8:
-            raise ValueError("--quantization fp8 is not supported for MoE experts; use --quantization int8")
         w2_q, s2 = quantize(self.w2.reshape(-1, self.w2.shape[-1]))
         e = self.w13.shape[0]
         self.w13, self.w13_scale = w13_q.view(self.w13.shape), s13.view(e, -1)
