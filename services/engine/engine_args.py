@@ -54,6 +54,7 @@ class EngineArgs:
     dummy_seed: int = 0  # random weights of --load-format dummy
     tensor_parallel_size: int = 1  # worker processes splitting each layer (kvrelay.engine.parallel)
     pipeline_parallel_size: int = 1  # worker processes holding contiguous layer stages
+    pipeline_overlap: bool = True  # PP > 1: as many steps in flight as stages, so the stages overlap
     enable_expert_parallel: bool = False  # MoE: the tensor-parallel ranks hold disjoint experts
     plugins: str | None = None  # "a,b": load only these plugins (default: $KVRELAY_PLUGINS, else all)
 
@@ -139,6 +140,10 @@ class EngineArgs:
         parser.add_argument(
             "--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
             help="split the layers into this many contiguous stages, each on its own tensor-parallel group",
+        )
+        parser.add_argument(
+            "--no-pipeline-overlap", dest="pipeline_overlap", action="store_false",
+            help="pipeline parallel: one step in flight at a time (the stages take turns instead of overlapping)",
         )
         parser.add_argument(
             "--enable-expert-parallel", action="store_true",
