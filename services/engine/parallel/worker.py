@@ -126,16 +126,16 @@ def _inbox(conn):
         while True:
             try:
                 inbox.put(conn.recv_bytes())
-            except (EOFError, OSError) as e:
-                inbox.put(e)
+            except (EOFError, OSError):
+                inbox.put(None)  # the driver closed the pipe
                 return
 
     threading.Thread(target=read, name="kvrelay-worker-inbox", daemon=True).start()
 
     def receive() -> bytes:
         item = inbox.get()
-        if isinstance(item, BaseException):
-            raise EOFError from item
+        if item is None:
+            raise EOFError
         return item
 
     return receive
