@@ -178,7 +178,9 @@ def test_abort_of_a_request_in_flight(stories_ref):
             tokens += o.new_token_ids
             lps += [lp.logprob for lp in o.logprobs]
         assert tokens == stories_ref[("0", 0)]["tokens"]
-        assert torch.allclose(torch.tensor(lps), torch.tensor(stories_ref[("0", 0)]["lps"]), atol=1e-4, rtol=0)
+        assert torch.allclose(
+            torch.tensor(lps), torch.tensor(stories_ref[("0", 0)]["lps"]), atol=1e-4, rtol=0
+        )
         assert engine.executor.in_flight == 0
         assert engine.pool.num_free == engine.pool.num_blocks  # nothing leaked
     finally:
