@@ -84,6 +84,19 @@ def test_overlapped_stages_match_one_process(stories_ref, tp):
     _assert_same(stories_ref, got)
 
 
+def test_random_tiny_qwen3_tp2_pp2_overlapped_matches_one_process(tmp_path):
+    """q/k norm and 3 layers over 2 stages (stage 0 takes 2), four processes, requests over time."""
+    model = save_tiny_model(tmp_path / "qwen3", "qwen3", num_hidden_layers=3)
+    ref = _serve(make_engine(model, **KV))
+    engine = make_engine(model, tensor_parallel_size=2, pipeline_parallel_size=2, **KV)
+    try:
+        got = _serve(engine)
+        assert engine.executor.max_in_flight == 2
+    finally:
+        engine.close()
+    _assert_same(ref, got)
+
+
 def test_two_steps_are_in_flight_before_the_first_is_sampled():
     engine = make_engine(BUNDLED_MODEL, pipeline_parallel_size=2, **KV)
     try:
