@@ -105,6 +105,7 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
+        await self._compile(params)
         # Validation and tokenization touch no shared engine state: do them here, raising to the caller.
         seqs = self.engine.make_request(prompt, params, request_id, priority, hold_blocks, cache_salt)
         stream: asyncio.Queue = asyncio.Queue()
@@ -155,6 +156,7 @@ class AsyncEngine:
             await self.start()
         if request_id in self._streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
+        await self._compile(params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         finished_ok = reserve_failed = False
@@ -193,6 +195,12 @@ class AsyncEngine:
                 # that reuses the id (a retry on another prefill worker, or a local prefill).
                 self._commands.put(("drop", request_id))
                 self._wake.set()
+
+    async def _compile(self, params: SamplingParams) -> None:
+        """Compile (or find cached) the request's grammar in a worker thread: never on the engine
+        thread, where it would stall a step, nor on the event loop."""
+        if params.structured is not None:
+            await asyncio.to_thread(self.engine.grammars.get, params.structured)
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

@@ -25,6 +25,7 @@ from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
 from kvrelay.engine.model_config import load_model_config, parse_dtype
 from kvrelay.engine.model_loader import load_model
 from kvrelay.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
 from kvrelay.engine.runner.cuda_graphs import bucket_sizes
 from kvrelay.engine.runner.memory import plan_kv_cache
 from kvrelay.engine.runner.model_runner import ModelRunner
@@ -35,6 +36,8 @@ from kvrelay.engine.sequence import Sequence, Status
 from kvrelay.engine.spec_decode.draft import DraftModel, kv_bytes_per_block, load_draft_config
 from kvrelay.engine.spec_decode.speculator import SpecConfig, Speculator, check_config
 from kvrelay.engine.spec_decode.verify import verify
+from kvrelay.engine.structured.compiler import compiler_for
+from kvrelay.engine.structured.mask import GrammarState
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.kernels.registry import cpu_backend, get_ops
 
@@ -193,6 +196,8 @@ class LLMEngine(HandoffMixin):
         self.eos_ids = _as_id_set(self.generation_config.get("eos_token_id"))
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        # Structured output: compiled grammars, shared with the gateway's validation in `serve`.
+        self.grammars = compiler_for(self.tokenizer, tuple(self.eos_ids))
         self.requests: dict[str, list[Sequence]] = {}
         # Held while K/V is written into a reservation from outside the engine thread
         # (write_reserved), and while abort() frees a reservation: never freed under a writer.
@@ -271,7 +276,11 @@ class LLMEngine(HandoffMixin):
         if params.logit_bias:  # built once here, not on every sampling step
             bias = (torch.tensor(list(params.logit_bias), dtype=torch.int64, device=self.device),
                     torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device))
+        if params.prompt_logprobs is not None:  # every position must be computed: no prefix-cache hits
+            cache_salt = f"{cache_salt or ''}\x00prompt-logprobs:{secrets.token_hex(8)}"
         root = cache_root(cache_salt)
+        # A cache hit when the caller compiled off this thread first (AsyncEngine does).
+        grammar = self.grammars.get(params.structured) if params.structured is not None else None
         seqs = []
         for index in range(params.n):
             seed = params.seed + index if params.seed is not None else secrets.randbits(62)
@@ -290,14 +299,17 @@ class LLMEngine(HandoffMixin):
                 wait_for=seqs[0] if seqs else None,
                 hold_blocks=hold_blocks,
                 cache_root=root,
-                # ignore_eos drops EOS only; explicit stop_token_ids still apply.
+                # ignore_eos drops EOS only; explicit stop_token_ids still apply. A grammar's end is
+                # EOS (the only token its mask then allows): constrained output always stops there.
                 stop_ids=frozenset(params.stop_token_ids)
-                | (frozenset() if params.ignore_eos else self.eos_ids),
+                | (frozenset() if params.ignore_eos and grammar is None else self.eos_ids),
                 logit_bias=bias,
                 adjusts_logits=params.repetition_penalty != 1.0 or bool(params.presence_penalty)
                 or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0
                 or bool(params.logits_processors),
                 processors=logits_processors.instantiate(params.logits_processors),
+                grammar=None if grammar is None else GrammarState(grammar.deep_copy(), self.tokenizer.vocab_size),
+                prompt_lps=[None] * (len(ids) - 1) if params.prompt_logprobs is not None and index == 0 else None,
             )
             self._next_seq_id += 1
             seqs.append(seq)
@@ -404,7 +416,11 @@ class LLMEngine(HandoffMixin):
         return outputs
 
     def _run(self, step, proposals: dict) -> list[RequestOutput]:
-        logits, sample_idx, rows = self.runner.execute(step.seqs, step.num_new, frozenset(proposals))
+        scoring = frozenset(i for i, s in enumerate(step.seqs) if s.prompt_lps is not None
+                            and s.num_computed < s.prompt_len - 1)
+        logits, sample_idx, rows = self.runner.execute(step.seqs, step.num_new, frozenset(proposals), scoring)
+        if scoring:
+            record_prompt_logprobs(step.seqs, self.runner.prompt_logits)
         return self._after_forward(step, proposals, logits, sample_idx, rows)
 
     def _after_forward(self, step, proposals: dict, logits, sample_idx, rows) -> list[RequestOutput]:
@@ -522,6 +538,9 @@ class LLMEngine(HandoffMixin):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
 
     def _output(self, seq: Sequence, new_ids: list[int], text: str, logprobs=None) -> RequestOutput:
+        prompt_lps = None
+        if seq.prompt_lps is not None and (new_ids or seq.finished):
+            prompt_lps, seq.prompt_lps = [None, *seq.prompt_lps], None
         return RequestOutput(
             request_id=seq.request_id,
             index=seq.index,
@@ -534,4 +553,5 @@ class LLMEngine(HandoffMixin):
             num_generated_tokens=seq.num_generated,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=seq.metrics,
+            prompt_logprobs=prompt_lps,
         )

@@ -42,6 +42,8 @@ class RequestOutput:
     num_generated_tokens: int  # cumulative for this sample
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    # prompt_logprobs: with the sample's first output, one entry per prompt token (None for the first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -10,6 +10,7 @@ import torch
 from kvrelay.engine.logits_processors import apply as apply_processors
 from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sequence import Sequence
+from kvrelay.engine.structured import mask as grammar_mask
 
 
 def _adjust(row: torch.Tensor, seq: Sequence) -> None:
@@ -84,6 +85,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]
     for i, seq in enumerate(seqs):
         if seq.adjusts_logits:
             _adjust(logits[i], seq)
+    constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if constrained:  # after penalties and bias, before temperature and filtering
+        grammar_mask.apply(logits, constrained, [seqs[i] for i in constrained],
+                           [seqs[i].stop_ids for i in constrained])
 
     # Each torch call and each pass over the batch in Python costs tens of microseconds here, so
     # the common all-greedy and all-sampled batches skip the row selection and the argmax of the

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvrelay.engine.errors import InvalidRequestError
+from kvrelay.engine.structured.spec import KINDS, GuidedSpec
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -29,10 +30,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob plus top-k alternatives
+    prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob plus top-k (vLLM)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     # Plugin logits processors by name, with their arguments (kvrelay.engine.logits_processors).
     logits_processors: dict[str, dict] | None = None
+    # Structured output: the grammar the output must follow (kvrelay.engine.structured).
+    structured: GuidedSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -91,8 +95,17 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if self.logit_bias is not None:
             self._validate_logit_bias(vocab_size, bad)
+        if self.structured is not None and (not isinstance(self.structured, GuidedSpec)
+                                            or self.structured.kind not in KINDS
+                                            or not isinstance(self.structured.value, str)):
+            bad("structured_outputs", f"must name one of {sorted(KINDS)} with a text value")
 
     def _validate_logit_bias(self, vocab_size: int | None, bad) -> None:
         bias = self.logit_bias

@@ -59,6 +59,11 @@ class Sequence:
     adjusts_logits: bool = False
     # Instances of the request's plugin logits processors, applied to this sequence's rows.
     processors: list = field(default_factory=list)
+    # Structured output: the grammar's matcher (kvrelay.engine.structured.mask.GrammarState).
+    grammar: object | None = None
+    # Prompt logprobs (sample 0 only): entry p is prompt token p + 1's, filled as chunks compute;
+    # handed out with the first output, then None.
+    prompt_lps: list | None = None
 
     @property
     def num_tokens(self) -> int:

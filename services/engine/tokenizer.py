@@ -57,6 +57,7 @@ class Tokenizer:
         if template is None and chat_file.is_file():
             template = chat_file.read_text()
         self.has_chat_template = template is not None
+        self.chat_template_source = template or FALLBACK_CHAT_TEMPLATE  # read for the variables it uses
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = self._raise
         self._chat_template = env.from_string(template or FALLBACK_CHAT_TEMPLATE)
@@ -95,10 +96,10 @@ class Tokenizer:
     def has_special_text(self, text: str) -> bool:
         return self._special_text is not None and self._special_text.search(text) is not None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Render the chat template and encode it, with only the template's own markers special:
         special-token text inside a message's content is encoded as plain text."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         if not any(self.has_special_text(m.get("content") or "") for m in messages):
             return self.encode_prompt(text)  # nothing to forge: the common, fast path
         # Where is each content in the rendering? Render with sentinels in place of the contents; the
@@ -107,7 +108,7 @@ class Tokenizer:
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
         marked = self.apply_chat_template(
             [m | {"content": marks[i]} if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)],
-            add_generation_prompt)
+            add_generation_prompt, **kwargs)
         pieces = re.split("(\ue000\\d+\ue001)", marked)
         spans, rebuilt, pos = [], [], 0
         for piece in pieces:

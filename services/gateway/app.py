@@ -12,7 +12,15 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from kvrelay.gateway import errors, hooks, routes_chat, routes_completions, routes_metrics, routes_models
+from kvrelay.gateway import (
+    errors,
+    hooks,
+    routes_chat,
+    routes_completions,
+    routes_metrics,
+    routes_models,
+    routes_tokenize,
+)
 from kvrelay.gateway.errors import ApiError
 from kvrelay.gateway.frontdoor import HeaderCountLimit
 from kvrelay.gateway.gateway import Gateway, GatewayConfig
@@ -87,7 +95,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         gateway.metrics.errors.labels("500").inc()
         return ApiError(500, "Internal server error", "server_error", code="internal_error").response()
 
-    for module in (routes_completions, routes_chat, routes_models, routes_metrics):
+    for module in (routes_completions, routes_chat, routes_models, routes_metrics, routes_tokenize):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=gateway.config.max_body_bytes)
     app.add_middleware(HeaderCountLimit, max_headers=gateway.config.frontdoor.max_headers)

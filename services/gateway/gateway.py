@@ -33,9 +33,12 @@ from kvrelay.gateway.quota import (
 )
 from kvrelay.gateway.scheduler import FairScheduler, QueueFull, Ticket
 from kvrelay.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from kvrelay.gateway.structured import tools as tool_calling
+from kvrelay.gateway.structured.fields import checked, requested_spec
 from kvrelay.gateway.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger(__name__)
+PRIORITY_BAND = 10_000  # > 2 x MAX_REQUEST_PRIORITY
 
 
 @dataclass
@@ -54,6 +57,7 @@ class GatewayConfig:
     tokenizer_queue: int = 1024  # preparations waiting for a thread; past it: 503
     allow_special_tokens: bool = False  # True: special-token text in prompts and messages acts as special
     frontdoor: FrontDoorLimits = field(default_factory=FrontDoorLimits)  # header and connection limits
+    tools: tool_calling.ToolSettings = field(default_factory=tool_calling.ToolSettings)  # tool-call parser
 
 
 @dataclass
@@ -76,6 +80,15 @@ class Prepared:
     ticket: Ticket | None = None
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
     cache_salt: str | None = None  # prefix-cache salt: the tenant's cache group and the request's cache_salt
+    tools: tool_calling.ToolPlan | None = None  # chat with tools: how the output becomes tool calls
+    score_only: bool = False  # completions with max_tokens 0 and echo: the prompt, nothing generated
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs: each choice carries them
+    priority: int = 0  # the request's own priority, bounded by its tenant's max_request_priority
+
+    @property
+    def engine_priority(self) -> int:
+        """The tenant's band dominates (no request lifts itself over another band), then the request's."""
+        return self.tenant.priority * PRIORITY_BAND + self.priority
 
 
 class Gateway:
@@ -148,6 +161,8 @@ class Gateway:
             seed=None if body.seed is None else body.seed % (2**63),
             stop=stop, ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
             logits_processors=logits_processors.normalise(body.logits_processors),
+            structured=checked(requested_spec(body), self.backend.tokenizer),
+            prompt_logprobs=body.prompt_logprobs,
         )
         try:
             params.validate(self.backend.tokenizer.vocab_size)
@@ -261,15 +276,21 @@ class Gateway:
         vocab = self.backend.tokenizer.vocab_size
         if any(t >= vocab for p in prompts for t in p):
             raise errors.bad_request(f"prompt: token ids must be < the vocabulary size {vocab}", "prompt")
+        if body.max_tokens == 0 and not body.echo:
+            raise errors.bad_request("max_tokens: 0 is only for scoring the prompt, with `echo: true`", "max_tokens")
+        # max_tokens 0: one token is computed (the engine always samples one) and not reported.
+        params = self._params(body, body.max_tokens or (None if body.max_tokens is None else 1), "max_tokens",
+                              body.logprobs)
         if body.echo and body.logprobs is not None:
-            raise errors.bad_request("echo: not supported together with logprobs (prompt logprobs are not "
-                                     "computed)", "echo")
-        params = self._params(body, body.max_tokens, "max_tokens", body.logprobs)
+            params.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         reserve = self._fit_context(prompts, params, "prompt")
         p = Prepared("completion", f"cmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
                      body.stream, bool(body.stream_options and body.stream_options.include_usage),
                      body.logprobs is not None, reserve)
         p.cache_salt = self.cache_salt(tenant, body.cache_salt)
+        p.score_only = body.max_tokens == 0
+        p.priority = _request_priority(body, tenant)
+        p.prompt_logprobs = body.prompt_logprobs is not None
         if body.echo:
             if isinstance(raw, str):
                 p.echo = [raw]
@@ -288,11 +309,13 @@ class Gateway:
             _check_text(content, f"messages[{i}].content")
             messages.append({"role": m.role, "content": content} | ({"name": m.name} if m.name else {}))
         tok = self.backend.tokenizer
+        plan, messages, template_vars = tool_calling.plan(body, self.config.tools, tok, messages)
         try:
             if self.config.allow_special_tokens:
-                prompts = [tok.encode_prompt(tok.apply_chat_template(messages, add_generation_prompt=True))]
+                prompts = [tok.encode_prompt(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                                     **template_vars))]
             else:  # only the template's own markers are special, never text inside a message
-                prompts = [tok.encode_chat(messages, add_generation_prompt=True)]
+                prompts = [tok.encode_chat(messages, add_generation_prompt=True, **template_vars)]
         except InvalidRequestError as e:
             raise errors.bad_request(str(e), "messages") from e
         if body.top_logprobs is not None and not body.logprobs:
@@ -301,10 +324,16 @@ class Gateway:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, field_name, logprobs)
+        if plan is not None:
+            params.structured = checked(plan.constraint(body.tools, body.parallel_tool_calls is not False),
+                                        tok) or params.structured
+            if plan.choice == "auto" and self.config.tools.parser == "mistral":
+                params.skip_special_tokens = False  # its [TOOL_CALLS] marker is a special token
         reserve = self._fit_context(prompts, params, "messages")
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
                         body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                        body.logprobs, reserve, cache_salt=self.cache_salt(tenant, body.cache_salt))
+                        body.logprobs, reserve, cache_salt=self.cache_salt(tenant, body.cache_salt), tools=plan,
+                        prompt_logprobs=body.prompt_logprobs is not None, priority=_request_priority(body, tenant))
 
     # ------------------------------------------------------------------ admission
 
@@ -333,7 +362,7 @@ class Gateway:
             raise errors.unavailable("The quota store is unavailable; retry shortly", "quota_store_unavailable") from e
         try:
             p.ticket = self.scheduler.submit(p.tenant.id, p.tenant.priority, p.reserve,
-                                             slots=p.params.n * len(p.prompts))
+                                             slots=p.params.n * len(p.prompts), rank=p.priority)
         except QueueFull as e:
             await self.quota.complete(p.admission, 0)
             raise errors.unavailable(f"The gateway is saturated: {e}", "queue_full") from e
@@ -343,7 +372,7 @@ class Gateway:
     def stream_outputs(self, p: Prepared):
         """(prompt index, RequestOutput) for every prompt of the request, interleaved."""
         if len(p.prompts) == 1:
-            return _single(self.backend, p.prompts[0], p.params, p.request_id, p.tenant.priority, p.cache_salt)
+            return _single(self.backend, p.prompts[0], p.params, p.request_id, p.engine_priority, p.cache_salt)
         return _merged(self.backend, p)
 
 
@@ -360,7 +389,7 @@ async def _merged(backend, p: Prepared):
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, prompt: list[int]) -> None:
-        gen = backend.generate(prompt, p.params, f"{p.request_id}-{i}", p.tenant.priority, p.cache_salt)
+        gen = backend.generate(prompt, p.params, f"{p.request_id}-{i}", p.engine_priority, p.cache_salt)
         try:
             async for out in gen:
                 await queue.put((i, out))
@@ -385,6 +414,12 @@ async def _merged(backend, p: Prepared):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _request_priority(body, tenant: Tenant) -> int:
+    """The request's priority, capped at what its tenant may ask for (so it cannot jump its own band)."""
+    cap = tenant.max_request_priority
+    return body.priority if cap is None else min(body.priority, cap)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

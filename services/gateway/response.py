@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -17,6 +18,7 @@ from kvrelay.engine.errors import EngineDeadError, InvalidRequestError, PromptTo
 from kvrelay.gateway import errors
 from kvrelay.gateway.errors import ApiError
 from kvrelay.gateway.gateway import Gateway, Prepared
+from kvrelay.gateway.prompt_logprobs import echo_lists, vllm_lists
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class GenerationResponse(Response):
         self.p = prepared
         self.choices: dict[int, _Choice] = {}
         self.cached: dict[int, int] = {}  # prompt index -> its tokens served by the prefix cache
+        self.prompt_lps: dict[int, list] = {}  # prompt index -> its prompt logprobs (sample 0 brings them)
         self.headers_sent = False
         self.last_token_at: float | None = None
         self._itl = gateway.metrics.itl.labels(prepared.model)  # observed per token: bind the labels once
@@ -184,7 +187,14 @@ class GenerationResponse(Response):
     def _absorb(self, i: int, out) -> tuple[int, _Choice, dict | None]:
         """Record one increment; returns (choice index, state, this increment's logprobs)."""
         p, tok = self.p, self.gw.backend.tokenizer
+        if out.prompt_logprobs is not None:
+            self.prompt_lps[i] = out.prompt_logprobs
+        if p.score_only:  # max_tokens 0: the token computed is not part of the answer
+            out = dataclasses.replace(out, new_token_ids=[], text="", logprobs=None, num_generated_tokens=0,
+                                      finish_reason=out.finish_reason and "length")
         index = i * p.params.n + out.index
+        if index not in self.choices and p.echo and p.logprobs:  # generated offsets follow the prompt's text
+            self.choices[index] = _Choice(length=len(p.echo[i]))
         c = self.choices.setdefault(index, _Choice())
         now = time.monotonic()
         if out.new_token_ids:
@@ -239,18 +249,50 @@ class GenerationResponse(Response):
         index, _, delta_lp = self._absorb(i, out)
         usage = {"usage": None} if p.include_usage else {}
         if p.kind == "completion":
-            text = p.echo[i] + out.text if p.echo and first_of_choice else out.text
-            choice = {"index": index, "text": text, "logprobs": delta_lp, "finish_reason": out.finish_reason}
+            generated = "" if p.score_only else out.text
+            text = p.echo[i] + generated if p.echo and first_of_choice else generated
+            if p.echo and p.logprobs and first_of_choice:
+                delta_lp = self._echo_logprobs(i, delta_lp)
+            if p.score_only:
+                finish = out.finish_reason and "length"
+                choice = {"index": index, "text": text, "logprobs": delta_lp, "finish_reason": finish}
+            else:
+                choice = {"index": index, "text": text, "logprobs": delta_lp, "finish_reason": out.finish_reason}
+            if p.prompt_logprobs and first_of_choice:
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(i)
             return [self._chunk_base() | {"choices": [choice]} | usage]
         chunks = []
         if first_of_choice:
             chunks.append(self._chunk_base() | {"choices": [{"index": index, "delta": {
                 "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]} | usage)
-        if out.text or delta_lp or out.finish_reason:
+        if p.tools is not None:  # text that may be tool calls: gateway/structured/tools.py
+            deltas, reason = p.tools.stream(index, out.text, out.finish_reason)
+            if reason:
+                self.choices[index].finish_reason = reason
+            for k, delta in enumerate(deltas or ([{}] if delta_lp or reason else [])):
+                last = k == max(len(deltas), 1) - 1
+                chunks.append(self._chunk_base() | {"choices": [{"index": index, "delta": delta, "logprobs": (
+                    delta_lp if k == 0 else None), "finish_reason": reason if last else None}]} | usage)
+        elif out.text or delta_lp or out.finish_reason:
             delta = {"content": out.text} if out.text else {}
             chunks.append(self._chunk_base() | {"choices": [{"index": index, "delta": delta, "logprobs": delta_lp,
                                                              "finish_reason": out.finish_reason}]} | usage)
         return chunks
+
+    def _token_text(self, token_id: int) -> str:
+        return _token_text(self.gw.backend.tokenizer, token_id)
+
+    def _echo_logprobs(self, i: int, generated: dict | None) -> dict:
+        """The prompt's logprobs lists (echo with logprobs), followed by those of generated tokens."""
+        lps = self.prompt_lps.get(i) or [None] * len(self.p.prompts[i])
+        out = echo_lists(self._token_text, self.p.prompts[i], lps, self.p.params.logprobs or 0)
+        for key, values in (generated or {}).items():
+            out[key] += values
+        return out
+
+    def _vllm_prompt_logprobs(self, i: int) -> list | None:
+        lps = self.prompt_lps.get(i)
+        return None if lps is None else vllm_lists(self._token_text, lps)
 
     def _usage(self) -> dict:
         prompt = sum(len(x) for x in self.p.prompts)
@@ -269,17 +311,24 @@ class GenerationResponse(Response):
             if p.kind == "completion":
                 lp = None
                 if p.logprobs:
-                    offsets, pos = [], 0
+                    offsets, pos = [], len(p.echo[index // p.params.n]) if p.echo else 0
                     for t in c.tokens:
                         offsets.append(pos)
                         pos += len(t)
                     lp = {"tokens": c.tokens, "token_logprobs": c.token_logprobs, "top_logprobs": c.top,
                           "text_offset": offsets}
+                    if p.echo:
+                        lp = self._echo_logprobs(index // p.params.n, lp)
                 choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
             else:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                message, reason = ({"role": "assistant", "content": text}, c.finish_reason) if p.tools is None \
+                    else p.tools.final(text, c.finish_reason)
+                choices.append({"index": index, "message": message,
                                 "logprobs": {"content": c.chat_logprobs} if p.logprobs else None,
-                                "finish_reason": c.finish_reason})
+                                "finish_reason": reason})
+        if p.prompt_logprobs:
+            for choice in choices:
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(choice["index"] // p.params.n)
         obj = "text_completion" if p.kind == "completion" else "chat.completion"
         return {"id": p.request_id, "object": obj, "created": p.created, "model": p.model,
                 "choices": choices, "usage": self._usage()}

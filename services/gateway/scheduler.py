@@ -27,6 +27,7 @@ class Ticket:
     priority: int
     cost: int  # estimated tokens (prompt + max_tokens x n), charged to the tenant's counter
     slots: int = 1
+    rank: int = 0  # the request's own priority: higher leaves its tenant's queue first (FIFO among equals)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     granted: bool = False
     released: bool = False
@@ -43,9 +44,10 @@ class FairScheduler:
         self._bands: dict[int, dict[str, deque[Ticket]]] = {}
         self._counters: dict[str, float] = {}
 
-    def submit(self, tenant_id: str, priority: int, cost: int, slots: int = 1) -> Ticket:
-        """Queue a request (or grant it at once); raises QueueFull past `max_queue` waiters."""
-        ticket = Ticket(tenant_id, priority, cost, slots)
+    def submit(self, tenant_id: str, priority: int, cost: int, slots: int = 1, rank: int = 0) -> Ticket:
+        """Queue a request (or grant it at once); raises QueueFull past `max_queue` waiters. rank orders
+        it among the same tenant's waiting requests only (fairness between tenants is unchanged)."""
+        ticket = Ticket(tenant_id, priority, cost, slots, rank)
         if self.depth == 0 and self._fits(ticket):
             self._grant(ticket)
             return ticket
@@ -58,7 +60,10 @@ class FairScheduler:
             if others:
                 self._counters[tenant_id] = max(self._counters.get(tenant_id, 0.0), min(others))
             band[tenant_id] = waiting = deque()
-        waiting.append(ticket)
+        at = len(waiting)
+        while at and waiting[at - 1].rank < rank:
+            at -= 1
+        waiting.insert(at, ticket)
         self.depth += 1
         return ticket
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from kvrelay.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
+from kvrelay.gateway.structured.fields import StructuredFields
+from kvrelay.gateway.structured.tools import ToolCall, ToolFields
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_STOP = 16
+MAX_REQUEST_PRIORITY = 1000  # |priority| of a request; the engine sees tenant band * 10^4 + it
 MAX_BATCH_PROMPTS = 16
 
 
@@ -39,7 +42,7 @@ StopField = Annotated[str | Annotated[list[str], Field(max_length=MAX_STOP)] | N
 TokenIds = Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=1)]
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StructuredFields):  # structured-output fields: gateway/structured/fields.py
     model: str
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
@@ -64,14 +67,18 @@ class _SamplingFields(_Strict):
     logits_processors: list[str] | dict[str, dict] | None = None
     # Requests share cached prompt prefixes only with requests of the same salt (vLLM's field).
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # Higher first among the tenant's own requests, up to its max_request_priority (vLLM's field).
+    priority: Annotated[Int, Field(ge=-MAX_REQUEST_PRIORITY, le=MAX_REQUEST_PRIORITY)] = 0
+    # vLLM's: each prompt token's logprob plus its top-k alternatives, per choice.
+    prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)] | Annotated[
         list[TokenIds], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
-    max_tokens: Annotated[Int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[Int, Field(ge=0)] | None = 16  # 0: with echo, only score the prompt
     logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False  # put the prompt before the completion (not with logprobs)
+    echo: bool = False  # put the prompt before the completion (with logprobs: the prompt's logprobs too)
 
 
 class TextPart(_Strict):
@@ -83,9 +90,11 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools (gateway/structured/tools.py)
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # tool turns: the call answered
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[Int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
@@ -146,7 +155,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the answer is only tool calls
+    tool_calls: list[dict] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -15,10 +15,14 @@ import threading
 
 import yaml
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
+from kvrelay.gateway.api_key import ENV as API_KEY_ENV
+from kvrelay.gateway.api_key import ApiKeyRegistry
 from kvrelay.gateway.app import Gateway, GatewayConfig, create_app
 from kvrelay.gateway.backend import LocalBackend
 from kvrelay.gateway.frontdoor import FrontDoorLimits, uvicorn_options
 from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStore
+from kvrelay.gateway.structured.tool_parsers import PARSERS
+from kvrelay.gateway.structured.tools import ToolSettings
 from kvrelay.gateway.tenants import TenantConfigError, TenantRegistry
 from kvrelay.kvtransfer.worker_base import PARENT_PID_ENV
 
@@ -32,6 +36,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--tenants", default=None, metavar="FILE",
                         help="tenants YAML (keys, quotas, priority, models); default: one open tenant")
+    parser.add_argument("--api-key", default=None,
+                        help=f"one API key for every request, without a tenants file (or ${API_KEY_ENV}, which "
+                             "keeps it out of the process list); compared in constant time, never logged")
     parser.add_argument("--redis-url", default=None, help="Redis for quotas shared by all gateway replicas")
     parser.add_argument("--quota-failure-policy", choices=["closed", "open"], default="closed",
                         help="when Redis is unreachable: closed = 503, open = enforce quotas per replica and "
@@ -72,6 +79,11 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                              "API port's /metrics sums over tenants and needs a key when --tenants is set")
     parser.add_argument("--no-tenant-metrics", action="store_true",
                         help="no per-tenant series at all (every tenant is counted as `all`)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                        help="how tool calls are read from the model's text (and written for templates without "
+                             "tool support): hermes (also Qwen), llama3_json, mistral")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='allow tool_choice "auto" (the model decides; needs --tool-call-parser)')
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -83,6 +95,8 @@ def build_quota(args: argparse.Namespace) -> QuotaManager:
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("kvrelay: --enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral)")
     return GatewayConfig(max_queue=args.max_queue, capacity=args.capacity, max_body_bytes=args.max_body_bytes,
                          lease_ttl_s=args.lease_ttl, quota_fail_open=args.quota_failure_policy == "open",
                          quota_wait_s=args.quota_wait, max_prompt_bytes=args.max_prompt_bytes,
@@ -90,6 +104,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          allow_special_tokens=args.allow_special_tokens_in_prompt,
                          tenant_metrics=not args.no_tenant_metrics,
                          default_reserve_tokens=args.default_reserve_tokens,
+                         tools=ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice),
                          frontdoor=FrontDoorLimits(args.max_header_bytes, args.max_headers, args.header_timeout,
                                                    args.max_connections_per_client))
 
@@ -177,6 +192,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def load_tenants(args: argparse.Namespace) -> TenantRegistry:
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    if key:
+        if args.tenants:
+            raise SystemExit("kvrelay: --api-key and --tenants exclude each other: give the key a tenant in the file "
+                             "(`kvrelay tenants add`)")
+        try:
+            return ApiKeyRegistry(key)
+        except ValueError as e:
+            raise SystemExit(f"kvrelay: {e}") from None
     try:
         return TenantRegistry(args.tenants)
     except (OSError, TenantConfigError, yaml.YAMLError) as e:

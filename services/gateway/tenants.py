@@ -6,6 +6,7 @@ The tenants file is YAML (in a cluster it is mounted from a Kubernetes Secret):
       - id: acme
         api_keys_sha256: ["<hex sha256 of the key>", ...]
         priority: 1                 # higher is served first; fairness applies within a priority
+        max_request_priority: 0     # optional: the highest `priority` its requests may ask for (default 0)
         allowed_models: ["*"]       # or a list of served model ids
         prefix_cache_group: team-a  # optional: tenants naming the same group share cached prefixes
         quotas:                     # every quota is optional; absent means unlimited
@@ -55,6 +56,8 @@ class Tenant:
     priority: int = 0
     allowed_models: tuple[str, ...] = ("*",)
     prefix_cache_group: str | None = None  # None: a prefix cache of its own
+    # A request's `priority` orders it among its tenant's own requests, up to this (None: unbounded).
+    max_request_priority: int | None = 0
 
     def may_use(self, model: str) -> bool:
         return "*" in self.allowed_models or model in self.allowed_models
@@ -78,7 +81,8 @@ def parse_tenants(doc: object, source: str = "tenants file") -> list[Tenant]:
         where = f"{source}: tenants[{i}]"
         if not isinstance(entry, dict):
             raise TenantConfigError(f"{where}: expected a mapping")
-        unknown = set(entry) - {"id", "api_keys_sha256", "priority", "allowed_models", "quotas", "prefix_cache_group"}
+        unknown = set(entry) - {"id", "api_keys_sha256", "priority", "allowed_models", "quotas", "prefix_cache_group",
+                                "max_request_priority"}
         if unknown:
             raise TenantConfigError(f"{where}: unknown fields {sorted(unknown)}")
         tid = entry.get("id")
@@ -112,11 +116,14 @@ def parse_tenants(doc: object, source: str = "tenants file") -> list[Tenant]:
         for name, value in quotas.items():
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise TenantConfigError(f"{where}.quotas.{name}: expected an integer >= 0 or null, got {value!r}")
+        max_request = entry.get("max_request_priority", 0)
+        if not isinstance(max_request, int) or isinstance(max_request, bool):
+            raise TenantConfigError(f"{where}.max_request_priority: expected an integer, got {max_request!r}")
         group = entry.get("prefix_cache_group")
         if group is not None and (not isinstance(group, str) or not group):
             raise TenantConfigError(f"{where}.prefix_cache_group: expected a non-empty string, got {group!r}")
         tenants.append(Tenant(tid, tuple(key_hashes), Quotas(**quotas), priority, tuple(models),
-                              None if group is None else f"group:{group}"))
+                              None if group is None else f"group:{group}", max_request))
     return tenants
 
 
@@ -130,7 +137,7 @@ class TenantRegistry:
     def __init__(self, path: str | Path | None = None, reload_interval_s: float = 1.0):
         self.path = Path(path) if path else None
         self.reload_interval_s = reload_interval_s
-        self._tenants: list[Tenant] = [Tenant(DEFAULT_TENANT_ID)] if self.path is None else []
+        self._tenants: list[Tenant] = [Tenant(DEFAULT_TENANT_ID, max_request_priority=None)] if self.path is None else []
         self._by_id = {t.id: t for t in self._tenants}
         self._mtime: float | None = None
         self._checked_at = 0.0

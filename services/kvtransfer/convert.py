@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.outputs import RequestOutput, TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.structured.spec import GuidedSpec
 from kvrelay.v1 import common_pb2
 
 _PLAIN = ("n", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -15,6 +16,9 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     if p.logits_processors:  # the wire has no field for them yet: refuse rather than drop them
         raise InvalidRequestError("logits_processors: not supported across a prefill/decode hand-off yet",
                                   field="logits_processors")
+    if p.prompt_logprobs is not None:  # the prefill worker computes the prompt: it would have to send them
+        raise InvalidRequestError("prompt_logprobs: not supported across a prefill/decode hand-off yet (echo with "
+                                  "logprobs needs them)", field="prompt_logprobs")
     msg = common_pb2.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
                                     **{k: getattr(p, k) for k in _PLAIN})
     for k in ("max_tokens", "seed", "logprobs"):
@@ -22,6 +26,9 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
             setattr(msg, k, getattr(p, k))
     if p.logit_bias:
         msg.logit_bias.update(p.logit_bias)
+    if p.structured is not None:
+        s = p.structured
+        msg.structured.CopyFrom(common_pb2.GuidedSpec(kind=s.kind, value=s.value, field=s.field))
     return msg
 
 
@@ -32,6 +39,9 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     for k in ("max_tokens", "seed", "logprobs"):
         setattr(p, k, getattr(msg, k) if msg.HasField(k) else None)
     p.logit_bias = dict(msg.logit_bias) or None
+    if msg.HasField("structured"):
+        s = msg.structured
+        p.structured = GuidedSpec(s.kind, s.value, s.field or "structured_outputs")
     return p
 
 

@@ -1,62 +1,43 @@
-"""Expert parallelism on 2 gloo processes: each rank loads only its half of the experts and the
-ranks' partial outputs are summed, giving the same greedy tokens and logprobs as one process."""
+"""Expert parallelism through the engine's own workers (2 gloo processes, --enable-expert-parallel):
+each rank loads only its half of the experts, attention is split over the same two ranks, and the
+ranks' partial MoE outputs are summed, giving one process's greedy tokens and logprobs."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from helpers import PROMPTS, make_engine
+from kvrelay.engine.sampling_params import SamplingParams
 from tiny_models import save_tiny_model
 
-WORKER = Path(__file__).resolve().parent / "moe_ep_worker.py"
+KV = {"kv_cache_memory": 4 * 2**20, "max_num_batched_tokens": 7, "block_size": 4}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(model: Path, world: int, tmp_path: Path, quantization: str | None = None) -> list[dict]:
-    port = _free_port()
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(model), str(r), str(world), str(port),
-                          str(tmp_path / f"rank{r}-{world}.json"), *([quantization] if quantization else [])],
-                         env=env, stderr=subprocess.PIPE, text=True)
-        for r in range(world)
-    ]
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=240)
-            assert p.returncode == 0, err[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [json.loads((tmp_path / f"rank{r}-{world}.json").read_text()) for r in range(world)]
+def _run(engine) -> tuple[dict, dict]:
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, logprobs=5)
+    for i, p in enumerate(PROMPTS[:4]):
+        engine.add_request(p, params, str(i))
+    tokens = {str(i): [] for i in range(4)}
+    logprobs = {str(i): [] for i in range(4)}
+    while engine.has_work():
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+            logprobs[o.request_id] += [lp.logprob for lp in o.logprobs or []]
+    return tokens, logprobs
 
 
 @pytest.mark.parametrize("arch,quantization", [("mixtral", None), ("qwen2_moe", None), ("mixtral", "int8")])
 def test_ep2_equals_ep1_and_each_rank_loads_half_the_experts(tmp_path, arch, quantization):
     model = save_tiny_model(tmp_path / arch, arch)
-    (one,) = _run(model, 1, tmp_path, quantization)
-    ranks = _run(model, 2, tmp_path, quantization)
-    for r, got in enumerate(ranks):
-        assert got["tokens"] == one["tokens"], f"rank {r}"
-        assert got["experts_held"] == [4, 4] and got["expert_start"] == [4 * r, 4 * r]
-        assert got["expert_bytes"] * 2 == one["expert_bytes"]
-        # Every rank routes every token (counters cover all experts, not only its own).
-        assert got["load_total"] == one["load_total"]
-        # int8: per expert, per output channel scales, so a rank's experts quantize as in one process.
-        if arch == "mixtral":  # top-2: each sum is a + b on one rank or (a + 0) + (0 + b): exact
-            assert got["logprobs"] == one["logprobs"]
-        else:  # top-4: the ranks' partial sums associate differently
-            for req, rows in got["logprobs"].items():
-                for (tok, lp, _), (tok1, lp1, _) in zip(rows, one["logprobs"][req], strict=True):
-                    assert tok == tok1 and abs(lp - lp1) <= 1e-4 * max(1.0, abs(lp1))
+    one_engine = make_engine(model, quantization=quantization, **KV)
+    one = _run(one_engine)
+    engine = make_engine(model, quantization=quantization, tensor_parallel_size=2, enable_expert_parallel=True, **KV)
+    try:
+        got = _run(engine)
+        held = engine.executor.held
+    finally:
+        engine.close()
+    assert got[0] == one[0]
+    for rid, lps in got[1].items():  # the ranks' partial sums associate differently from one process
+        assert all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(lps, one[1][rid], strict=True)), rid
+    # int8: per expert, per output channel scales, so a rank's experts quantize as in one process.
+    assert [h["expert_bytes"] * 2 for h in held] == [one_engine.model.expert_bytes()] * 2

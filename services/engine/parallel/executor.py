@@ -114,7 +114,9 @@ class MultiprocExecutor:
                 child.close()
                 self.procs.append(proc)
                 self.conns.append(parent)
-            self.planned_kv_bytes = [self._recv(r, "ready", LOAD_TIMEOUT_S) for r in range(self.world_size)]
+            ready = [self._recv(r, "ready", LOAD_TIMEOUT_S) for r in range(self.world_size)]
+            self.planned_kv_bytes = [planned for planned, _ in ready]
+            self.held = [held for _, held in ready]  # per rank: what it loaded (expert_bytes: MoE experts)
         except BaseException:
             self.close()
             raise

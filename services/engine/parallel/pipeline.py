@@ -19,6 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
 from kvrelay.engine.scheduler import ScheduledStep
 
 
@@ -27,6 +28,7 @@ class _InFlight:
     step: ScheduledStep
     sample_idx: list[int]
     rows: list[int]
+    prompt_spans: list[tuple[int, int, int]]  # (index in seqs, first position, rows) of prompt logprobs
 
 
 class PipelineOverlap:
@@ -68,13 +70,22 @@ class PipelineOverlap:
         for seq in step.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        built = eng.runner.inputs.build(step.seqs, step.num_new)
+        scoring = frozenset(i for i, s in enumerate(step.seqs) if s.prompt_lps is not None
+                            and s.num_computed < s.prompt_len - 1)
+        extra = {"prompt_rows": scoring} if scoring else {}
+        built = eng.runner.inputs.build(step.seqs, step.num_new, **extra)
         eng.executor.submit(built.batch)
-        self.in_flight.append(_InFlight(step, built.sample_idx, built.logits_rows))
+        self.in_flight.append(_InFlight(step, built.sample_idx, built.logits_rows, built.prompt_spans))
 
     def _collect(self) -> list:
         done = self.in_flight.popleft()
         logits = self.engine.executor.collect()
-        if done.sample_idx:
-            logits = logits[: sum(done.rows)]
+        start = sum(done.rows)
+        if done.prompt_spans:  # prompt logprobs: their rows follow the sampling rows
+            spans = []
+            for i, pos, n in done.prompt_spans:
+                spans.append((i, pos, logits[start : start + n]))
+                start += n
+            record_prompt_logprobs(done.step.seqs, spans)
+        logits = logits[: sum(done.rows)] if done.sample_idx else None
         return self.engine._after_forward(done.step, {}, logits, done.sample_idx, done.rows)

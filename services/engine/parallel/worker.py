@@ -197,7 +197,8 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
     if device.type == "cuda":
         planned = plan_kv_cache(model, local, spec.dtype, device, spec.gpu_memory_utilization, spec.block_size,
                                 min(spec.max_num_batched_tokens, spec.max_model_len), 1).kv_bytes
-    conn.send_bytes(encode(("ready", rank, planned)))
+    held = {"expert_bytes": model.expert_bytes() if hasattr(model, "expert_bytes") else 0}
+    conn.send_bytes(encode(("ready", rank, (planned, held))))
     _, num_blocks = decode(conn.recv_bytes())
     kv_cache = torch.zeros((local.num_layers, 2, num_blocks, spec.block_size, local.num_kv_heads, local.head_dim),
                            dtype=spec.dtype, device=device)

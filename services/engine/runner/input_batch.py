@@ -9,7 +9,7 @@ the scheduler bumps it whenever it frees a sequence's blocks, the only way a tab
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -107,6 +107,9 @@ class BuiltStep:
     sample_idx: list[int]  # positions in the scheduled list of sequences that sample a token
     num_real: int  # decode rows before padding (graph steps); all rows otherwise
     logits_rows: list[int]  # per sampling sequence, its rows of logits (1; every token's for all_logits)
+    # Prompt logprobs: (index in seqs, first position, rows) of prefill chunks whose positions that
+    # predict a prompt token get logits too, after the sampling rows.
+    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class InputBatch:
@@ -123,7 +126,7 @@ class InputBatch:
         self.staging = Staging(nbytes, device)
 
     def build(self, seqs: list[Sequence], num_new: list[int], pad_decode_to: int | None = None,
-              all_logits: frozenset[int] = frozenset()) -> BuiltStep:
+              all_logits: frozenset[int] = frozenset(), prompt_rows: frozenset[int] = frozenset()) -> BuiltStep:
         """pad_decode_to: a decode-only step padded to this many rows (CUDA graph buckets); padding
         rows write no K/V (slot -1) and attend to nothing (length 0). all_logits: indices of seqs
         whose every new token gets a row of logits (speculative verification), not only the last."""
@@ -212,6 +215,15 @@ class InputBatch:
                 count = num_new[i] if i in all_logits else 1
                 logits_rows.extend(range(ends[k] - count + 1, ends[k] + 1))
                 rows_per_sample.append(count)
+        prompt_spans = []
+        for k, i in enumerate(pre):
+            if i in prompt_rows:  # positions p of the chunk with a prompt token at p + 1
+                start, count = int(pre_starts[k]), num_new[i]
+                n = min(start + count, seqs[i].prompt_len - 1) - start
+                if n > 0:
+                    first_row = ends[k] - count + 1
+                    logits_rows.extend(range(first_row, first_row + n))
+                    prompt_spans.append((i, start, n))
         num_logits = len(logits_rows) + pad
         lg, lg_off = st.take(num_logits, np.int64)
         lg[: len(logits_rows)] = logits_rows
@@ -254,4 +266,4 @@ class InputBatch:
             prefill_seq_lens=v(plen_off, (len(pre),), torch.int32),
             logits_indices=v(lg_off, (num_logits,), torch.int64),
         )
-        return BuiltStep(batch, sample_idx, nd, rows_per_sample)
+        return BuiltStep(batch, sample_idx, nd, rows_per_sample, prompt_spans)

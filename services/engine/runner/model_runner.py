@@ -25,6 +25,7 @@ class ModelRunner:
         self.inputs = InputBatch(block_size, max_model_len, max_num_seqs, max_tokens, self.device)
         self.graphs: DecodeGraphs | None = None
         self.graph_steps = 0  # steps served by a graph replay (tests and stats read it)
+        self.prompt_logits: list[tuple[int, int, torch.Tensor]] = []  # see execute()
 
     def capture_graphs(self, sizes: list[int] | None = None) -> CaptureReport:
         if self.device.type != "cuda":
@@ -40,13 +41,26 @@ class ModelRunner:
             return None
         return self.graphs.bucket(len(num_new))
 
-    def execute(self, seqs: list[Sequence], num_new: list[int], all_logits: frozenset[int] = frozenset()
-                ) -> tuple[torch.Tensor | None, list[int], list[int]]:
+    def execute(self, seqs: list[Sequence], num_new: list[int], all_logits: frozenset[int] = frozenset(),
+                prompt_rows: frozenset[int] = frozenset()) -> tuple[torch.Tensor | None, list[int], list[int]]:
         """Runs the step (K/V of every scheduled token written into the cache). Returns fp32 logits,
         the positions in seqs of the sequences that sample, and how many rows of logits each has
-        (one; every new token's for those in all_logits). (None, [], []) when none samples."""
-        size = None if all_logits else self._graph_size(num_new)
-        built = self.inputs.build(seqs, num_new, pad_decode_to=size, all_logits=all_logits)
+        (one; every new token's for those in all_logits). (None, [], []) when none samples.
+        prompt_rows: indices of seqs that want prompt logprobs: their chunks' logits are left in
+        self.prompt_logits as (index in seqs, first position, fp32 logits [rows, vocab])."""
+        size = None if all_logits or prompt_rows else self._graph_size(num_new)
+        extra = {"prompt_rows": prompt_rows} if prompt_rows else {}  # the common call keeps build's old signature
+        built = self.inputs.build(seqs, num_new, pad_decode_to=size, all_logits=all_logits, **extra)
+        self.prompt_logits = []
+        if built.prompt_spans:
+            logits = self.model.forward(built.batch, self.kv_cache)
+            start = sum(built.logits_rows)
+            for i, pos, n in built.prompt_spans:
+                self.prompt_logits.append((i, pos, logits[start : start + n]))
+                start += n
+            if not built.sample_idx:
+                return None, [], []
+            return logits[: sum(built.logits_rows)], built.sample_idx, built.logits_rows
         if not built.sample_idx and size is None:
             self.model.forward(built.batch, self.kv_cache)
             return None, [], []

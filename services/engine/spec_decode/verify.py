@@ -29,9 +29,11 @@ def _target_probs(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
 
 def speculates(seq: Sequence) -> bool:
     """Whether seq's sampling can be verified here: penalties depend on every earlier token, so a
-    sequence with them samples one token per step."""
+    sequence with them samples one token per step. Nor do constrained sequences: their mask
+    depends on every earlier token too (one matcher step per token; not checked per proposal yet)."""
     p = seq.params
-    return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+    return (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and seq.grammar is None)
 
 
 def _adjust(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Request-side structured output and tool calling: OpenAI/vLLM fields -> engine constraints."""
