@@ -1,7 +1,7 @@
 """Overlapping pipeline stages (gloo, real worker processes): with PP=2 two steps are in flight at
 once, and every request's tokens, logprobs, text and finish reason equal one process's, with
-requests of different lengths arriving over time, seeded sampling, stop strings, preemption and
-prefix caching."""
+requests of different lengths arriving over time, seeded sampling, stop strings, prompt logprobs,
+preemption, prefix caching and aborts."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ WORKLOAD = [
     (0, PREFIX + "She", SamplingParams(max_tokens=20, temperature=0.0, logprobs=0)),
     (2, PROMPTS[2], SamplingParams(max_tokens=9, temperature=1.0, top_p=0.9, seed=3, logprobs=0, n=2)),
     (3, PREFIX + "One day", SamplingParams(max_tokens=17, temperature=0.0, stop=[" the"], logprobs=0)),
-    (5, PROMPTS[3], SamplingParams(max_tokens=11, temperature=0.0, logprobs=2)),
+    (5, PROMPTS[3], SamplingParams(max_tokens=11, temperature=0.0, logprobs=2, prompt_logprobs=1)),
     (8, PREFIX + "He", SamplingParams(max_tokens=5, temperature=0.7, seed=11, logprobs=0)),
 ]
 
@@ -48,6 +48,7 @@ def _serve(engine, workload=WORKLOAD) -> dict:
             r["lps"].extend(lp.logprob for lp in o.logprobs or [])
             r["text"] += o.text
             r["finish"] = o.finish_reason or r["finish"]
+            r["lps"].extend(lp.logprob for lp in o.prompt_logprobs or [] if lp is not None)
         steps += 1
     return out
 
@@ -67,6 +68,7 @@ def _assert_same(ref: dict, got: dict, atol: float = 1e-4) -> None:
 def stories_ref():
     out = _serve(make_engine(BUNDLED_MODEL, **KV))
     assert any(r["finish"] == "stop" for r in out.values())  # the stop string ends one request
+    assert len(out[("5", 0)]["lps"]) > 11  # prompt logprobs came too
     return out
 
 
