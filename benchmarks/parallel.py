@@ -5,14 +5,16 @@ measured in the same run.
     .venv/bin/python benchmarks/parallel.py [--batch 32] [--prompt 64] [--tokens 64]
                                             [--configs 1x1,2x1,1x2s,1x2] [--repeats 3] [--threads 1]
 
-The ~30M-parameter dummy Llama (benchmarks/common.py), fp32, --batch requests of --prompt random
-token ids, each generating --tokens tokens (EOS ignored). Step time is the driver's wall time per
-decode token of every sequence while the batch is full (decode-only): with overlapping stages one
-engine step samples one group (half the batch at PP=2), so it is the phase's time x batch / tokens;
-"in flight" is the most steps the executor held submitted and uncollected at once. Communication is what TP rank 0 of the last
-stage measured per step (all-reduce of the row-parallel outputs and the embedding, all-gather of
-the vocabulary-parallel logits, send/recv of hidden states between stages, the latter including
-the wait for the previous stage). Tokens/s is over the whole run, prefill included.
+The ~30M-parameter dummy Llama (benchmarks/common.py; --vocab and --layers change it), fp32, --batch
+requests of --prompt random token ids, each generating --tokens tokens (EOS ignored). Step time is the
+driver's wall time per decode token of every sequence while the batch is full (decode-only): with
+overlapping stages one engine step samples one group (half the batch at PP=2), so it is the phase's
+time x batch / tokens; "in flight" is the most steps the executor held submitted and uncollected at
+once. Communication is what TP rank 0 of the last stage measured per engine step (all-reduce of the
+row-parallel outputs and the embedding, all-gather of the vocabulary-parallel logits, send/recv of
+hidden states between stages, the latter including the wait for the previous stage). Tokens/s is
+over the whole run, prefill included. The LM head runs on the last stage: with the default vocabulary
+of 32000 it is half the model's weights, so PP=2's stages are unbalanced; --vocab 2048 balances them.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import LLAMA_30M, make_model_dir, workload
 
 
-def run(model_dir: str, tp: int, pp: int, overlap: bool, batch: int, prompt: int, tokens: int, threads: int
-        ) -> dict:
+def run(model_dir: str, tp: int, pp: int, overlap: bool, batch: int, prompt: int, tokens: int, threads: int,
+        vocab: int) -> dict:
     import torch
     from kvrelay.engine.engine_args import EngineArgs
     from kvrelay.engine.llm_engine import LLMEngine
@@ -39,7 +41,7 @@ def run(model_dir: str, tp: int, pp: int, overlap: bool, batch: int, prompt: int
                                   tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_seqs=batch,
                                   pipeline_overlap=overlap))
     try:
-        reqs = workload(batch, (prompt, prompt), (tokens, tokens), LLAMA_30M["vocab_size"])
+        reqs = workload(batch, (prompt, prompt), (tokens, tokens), vocab)
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         for i, (ids, _) in enumerate(reqs):
             engine.add_request(ids, params, str(i))
@@ -80,12 +82,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--configs", default="1x1,2x1,1x2s,1x2",
                     help="TPxPP pairs, the first one the baseline; suffix s: PP without overlapping stages")
+    ap.add_argument("--vocab", type=int, default=LLAMA_30M["vocab_size"],
+                    help="vocabulary size (the LM head runs on the last stage: a smaller one balances PP's stages)")
+    ap.add_argument("--layers", type=int, default=LLAMA_30M["num_hidden_layers"])
     ap.add_argument("--repeats", type=int, default=3, help="runs per config (the median run is shown)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the single process (workers get cores / world size each)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(make_model_dir(Path(tmp) / "llama30m", LLAMA_30M, with_weights=False))
+        config = LLAMA_30M | {"vocab_size": args.vocab, "num_hidden_layers": args.layers}
+        model = str(make_model_dir(Path(tmp) / "llama", config, with_weights=False))
         pairs = []
         for pair in args.configs.split(","):
             tp, pp = pair.removesuffix("s").split("x")
@@ -94,13 +100,13 @@ def main() -> None:
         for _ in range(args.repeats):  # interleaved: load from other processes hits every config alike
             for tp, pp, overlap in pairs:
                 runs[(tp, pp, overlap)].append(run(model, tp, pp, overlap, args.batch, args.prompt, args.tokens,
-                                                   args.threads))
+                                                   args.threads, args.vocab))
         results = []
         for key in pairs:  # the run of median step time, per config
             rs = sorted(runs[key], key=lambda r: r["step_ms"])
             results.append((*key, rs[len(rs) // 2]))
         base = results[0][3]
-        print(f"batch {args.batch}, prompt {args.prompt}, {args.tokens} tokens each; ~30M dummy Llama fp32, CPU; "
+        print(f"batch {args.batch}, prompt {args.prompt}, {args.tokens} tokens each; dummy Llama ({args.layers} layers, vocab {args.vocab}) fp32, CPU; "
               f"median of {args.repeats} runs")
         print(f"{'TP':>3} {'PP':>3} {'overlap':>7} {'in flight':>9} {'step ms':>8} {'x base':>7} {'tok/s':>8} "
               f"{'x base':>7}  communication per step")
