@@ -14,7 +14,7 @@ once. Communication is what TP rank 0 of the last stage measured per engine step
 row-parallel outputs and the embedding, all-gather of the vocabulary-parallel logits, send/recv of
 hidden states between stages, the latter including the wait for the previous stage). Tokens/s is
 over the whole run, prefill included. The LM head runs on the last stage: with the default vocabulary
-of 32000 it is half the model's weights, so PP=2's stages are unbalanced; --vocab 2048 balances them.
+of 32000 (16M weights) it outweighs four layers (13M), so PP=2 is unbalanced; --vocab 2048 balances it.
 """
 
 from __future__ import annotations
