@@ -189,7 +189,10 @@ class LLMEngine(HandoffMixin):
                 draft.allocate(num_blocks, bs, args.max_num_seqs, args.max_num_batched_tokens, use_graphs)
             self.speculator = Speculator(spec, self.scheduler, args.max_num_batched_tokens, draft)
         self.pipeline = None  # several steps in flight so pipeline stages overlap
-        if self.executor is not None and args.pipeline_parallel_size > 1 and args.pipeline_overlap and spec is None:
+        overlap = args.pipeline_overlap
+        if self.executor is not None and overlap is None:
+            overlap = self.executor.spec.device_type == "cuda"  # each stage on its own GPU
+        if self.executor is not None and args.pipeline_parallel_size > 1 and overlap and spec is None:
             from kvrelay.engine.parallel.pipeline import PipelineOverlap
 
             self.pipeline = PipelineOverlap(self, args.pipeline_parallel_size)

@@ -74,7 +74,9 @@ def stories_ref():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_overlapped_stages_match_one_process(stories_ref, tp):
-    engine = make_engine(BUNDLED_MODEL, tensor_parallel_size=tp, pipeline_parallel_size=2, **KV)
+    engine = make_engine(
+        BUNDLED_MODEL, tensor_parallel_size=tp, pipeline_parallel_size=2, pipeline_overlap=True, **KV
+    )
     try:
         assert engine.pipeline is not None
         got = _serve(engine)
@@ -90,7 +92,7 @@ def test_random_tiny_qwen3_tp2_pp2_overlapped_matches_one_process(tmp_path):
     """q/k norm and 3 layers over 2 stages (stage 0 takes 2), four processes, requests over time."""
     model = save_tiny_model(tmp_path / "qwen3", "qwen3", num_hidden_layers=3)
     ref = _serve(make_engine(model, **KV))
-    engine = make_engine(model, tensor_parallel_size=2, pipeline_parallel_size=2, **KV)
+    engine = make_engine(model, tensor_parallel_size=2, pipeline_parallel_size=2, pipeline_overlap=True, **KV)
     try:
         got = _serve(engine)
         assert engine.executor.max_in_flight == 2
@@ -100,7 +102,7 @@ def test_random_tiny_qwen3_tp2_pp2_overlapped_matches_one_process(tmp_path):
 
 
 def test_two_steps_are_in_flight_before_the_first_is_sampled():
-    engine = make_engine(BUNDLED_MODEL, pipeline_parallel_size=2, **KV)
+    engine = make_engine(BUNDLED_MODEL, pipeline_parallel_size=2, pipeline_overlap=True, **KV)
     try:
         params = SamplingParams(max_tokens=4, temperature=0.0)
         engine.add_request(PROMPTS[0], params, "a")
@@ -118,7 +120,7 @@ def test_two_steps_are_in_flight_before_the_first_is_sampled():
 
 
 def test_without_overlap_one_step_is_in_flight(stories_ref):
-    engine = make_engine(BUNDLED_MODEL, pipeline_parallel_size=2, pipeline_overlap=False, **KV)
+    engine = make_engine(BUNDLED_MODEL, pipeline_parallel_size=2, **KV)  # the default on CPU
     try:
         assert engine.pipeline is None
         _assert_same(stories_ref, _serve(engine))
@@ -144,7 +146,9 @@ def test_preemption_under_overlap_matches_one_process(tmp_path):
     ref = _serve(ref_engine, workload)
     assert ref_engine.stats().num_preemptions > 0
     for tp in (1, 2):
-        engine = make_engine(model, tensor_parallel_size=tp, pipeline_parallel_size=2, **small)
+        engine = make_engine(
+            model, tensor_parallel_size=tp, pipeline_parallel_size=2, pipeline_overlap=True, **small
+        )
         try:
             got = _serve(engine, workload)
             assert engine.stats().num_preemptions > 0
@@ -157,7 +161,7 @@ def test_preemption_under_overlap_matches_one_process(tmp_path):
 
 
 def test_killed_worker_fails_the_overlapped_engine_without_hanging():
-    engine = make_engine(BUNDLED_MODEL, pipeline_parallel_size=2, **KV)
+    engine = make_engine(BUNDLED_MODEL, pipeline_parallel_size=2, pipeline_overlap=True, **KV)
     try:
         for i in range(2):
             engine.add_request(PROMPTS[i], SamplingParams(max_tokens=400, temperature=0.0), str(i))
@@ -177,7 +181,7 @@ def test_killed_worker_fails_the_overlapped_engine_without_hanging():
 def test_abort_of_a_request_in_flight(stories_ref):
     """An aborted request's step is still collected (its row dropped, its blocks already reused by
     the next step in the order the workers run them); the other requests are unaffected."""
-    engine = make_engine(BUNDLED_MODEL, pipeline_parallel_size=2, **KV)
+    engine = make_engine(BUNDLED_MODEL, pipeline_parallel_size=2, pipeline_overlap=True, **KV)
     try:
         _, prompt, params = WORKLOAD[0]
         engine.add_request(prompt, params, "0")
