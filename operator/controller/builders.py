@@ -182,8 +182,16 @@ def _probes(role: str) -> dict[str, Any]:
             "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
                               "failureThreshold": 6},
         }
-    # gRPC workers: ready once the port accepts connections (model loaded before listening).
-    return {"readinessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 5}}
+    # gRPC workers: /ready and /health on the metrics port answer 503 while the step-loop watchdog
+    # finds the engine hung (the worker also exits after its --watchdog-grace); /ready also while
+    # it drains. The model loads before the port listens, so a started probe waits for it.
+    return {
+        "startupProbe": {"httpGet": {"path": "/health", "port": "metrics"}, "periodSeconds": 5,
+                         "failureThreshold": 120},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "metrics"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "metrics"}, "periodSeconds": 10,
+                          "failureThreshold": 3},
+    }
 
 
 def _ports(role: str) -> list[dict[str, Any]]:

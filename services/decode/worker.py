@@ -52,6 +52,8 @@ class _Request:
     aborted: bool = False
     num_cached_tokens: int | None = None  # reported by the prefill worker
     cache_salt: str | None = None  # prefix-cache salt, hashed alike here and on the prefill worker
+    deadline: float | None = None  # the caller's gRPC deadline (time.monotonic()), passed on to prefill calls
+    client_request_id: str = ""  # the client's X-Request-Id (call metadata), logged and passed on
 
 
 class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
@@ -117,9 +119,13 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         rid = request.request_id or uuid.uuid4().hex
         if rid in self._requests:
             await abort_with(context, InvalidRequestError(f"request_id {rid!r} is already in use", "request_id"))
-        req = self._requests[rid] = _Request(rid, cache_salt=request.cache_salt or None)
         arrival = time.monotonic()
+        left = context.time_remaining()  # None without a deadline
+        req = self._requests[rid] = _Request(
+            rid, cache_salt=request.cache_salt or None, deadline=None if left is None else arrival + left,
+            client_request_id=dict(context.invocation_metadata() or ()).get("x-request-id", ""))
         last = None
+        outcome, generated = "error", 0
         try:
             params = params_from_proto(request.params)
             prompt = request.text if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
@@ -136,15 +142,21 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
                     last = now
                 if out.finished:
                     self.metrics.e2e.observe(now - arrival)
+                    outcome = out.finish_reason
+                generated = out.num_generated_tokens
                 yield decode_pb2.GenerateResponse(output=output_to_proto(out, req.num_cached_tokens))
         except (InvalidRequestError, HandoffError, NoFreeBlocksError, EngineDeadError) as e:
+            outcome = type(e).__name__
             await abort_with(context, e)
-        except asyncio.CancelledError:  # the client hung up
+        except asyncio.CancelledError:  # the client hung up, or its deadline passed
+            outcome = "cancelled"
             if not req.aborted:
                 self.metrics.aborts.labels("client").inc()
             raise
         finally:
             self._requests.pop(rid, None)
+            log.info("request %s ended: %s, %d tokens in %.3f s (x-request-id %s)", rid, outcome, generated,
+                     time.monotonic() - arrival, req.client_request_id or "-")
 
     # ---- serving ----------------------------------------------------------------------------
 
@@ -206,7 +218,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
                              num_cached_blocks,
                              lambda batch: _write_blocks(self.engine.engine, req.request_id, block_ids, batch))
         req.handoff_task = asyncio.create_task(
-            self.transport.pull(addr, HandoffRequest(req.request_id, ids, params, priority, req.cache_salt or ""), dest))
+            self.transport.pull(addr, HandoffRequest(req.request_id, ids, params, priority, req.cache_salt or "",
+                                         req.deadline, req.client_request_id), dest))
         try:
             result = await req.handoff_task
         except asyncio.CancelledError:

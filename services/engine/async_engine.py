@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -41,6 +42,12 @@ class AsyncEngine:
         # Called on the engine thread with each step's outputs before they go to the loop (the
         # prefill worker rings the doorbell there); must not raise.
         self.after_step: Callable[[list[RequestOutput]], None] | None = None
+        # Called on the engine thread before each step (tests make the step loop hang with it).
+        self.before_step: Callable[[], None] | None = None
+        # The step loop's liveness, read by kvrelay.kvtransfer.watchdog: when it last went round
+        # (an idle loop goes round every 0.5 s) and the mean duration of a step.
+        self.heartbeat = time.monotonic()
+        self.mean_step_s = 0.0
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -242,9 +249,14 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                self.heartbeat = time.monotonic()
                 outputs = self._apply_commands()
                 if self.engine.has_work():
+                    if self.before_step is not None:
+                        self.before_step()
+                    started = time.monotonic()
                     stepped = self.engine.step()
+                    self.mean_step_s += 0.05 * (time.monotonic() - started - self.mean_step_s)
                     if self.after_step is not None:
                         self.after_step(stepped)
                     outputs.extend(stepped)

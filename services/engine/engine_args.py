@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from dataclasses import dataclass
 
 from kvrelay.models import BUNDLED_MODEL
 
-CPU_KV_CACHE_BYTES = 512 * 2**20  # the KV cache on CPU when --kv-cache-memory is not given
+CPU_KV_MEMORY_SHARE = 0.1  # on CPU, at most this share of the memory available at start-up goes to the KV cache
+CPU_KV_RULE = (
+    "on CPU: what --max-num-seqs sequences of --max-model-len tokens need, at most "
+    f"{CPU_KV_MEMORY_SHARE:.0%} of the memory available at start-up, and at least one such sequence"
+)
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
 
 
@@ -20,6 +25,26 @@ def parse_bytes(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1048576)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_kv_cache_blocks(bytes_per_block: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                        available: int | None = None) -> int:
+    """The CPU KV cache's block count when --kv-cache-memory is not given (CPU_KV_RULE)."""
+    per_seq = -(-max_model_len // block_size)
+    share = int((available if available is not None else available_memory_bytes()) * CPU_KV_MEMORY_SHARE)
+    return max(per_seq, min(per_seq * max_num_seqs, share // bytes_per_block))
 
 
 @dataclass
@@ -83,8 +108,8 @@ class EngineArgs:
             "--kv-cache-memory",
             type=parse_bytes,
             default=None,
-            help="memory for the paged KV cache, e.g. 512MiB (default: 512MiB on CPU; on CUDA what "
-            "--gpu-memory-utilization leaves)",
+            help="memory for the paged KV cache, e.g. 512MiB (default: on CUDA what "
+            "--gpu-memory-utilization leaves; " + CPU_KV_RULE.replace("%", "%%") + ")",
         )
         parser.add_argument(
             "--gpu-memory-utilization",

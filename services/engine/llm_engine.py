@@ -18,7 +18,7 @@ import torch
 from kvrelay.engine import logits_processors
 from kvrelay.engine.block_pool import BlockPool, cache_root
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
-from kvrelay.engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
+from kvrelay.engine.engine_args import EngineArgs, cpu_kv_cache_blocks
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from kvrelay.engine.handoff import HandoffMixin
 from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
@@ -140,7 +140,8 @@ class LLMEngine(HandoffMixin):
         elif args.kv_cache_memory is not None:
             num_blocks = args.kv_cache_memory // sizing_bytes
         elif self.executor is not None:
-            num_blocks = self.executor.planned_blocks(sizing_bytes, CPU_KV_CACHE_BYTES)
+            cpu_blocks = cpu_kv_cache_blocks(sizing_bytes, bs, args.max_num_seqs, self.max_model_len)
+            num_blocks = self.executor.planned_blocks(sizing_bytes, cpu_blocks * sizing_bytes)
         elif self.device.type == "cuda":
             plan = plan_kv_cache(
                 self.model, cfg, self.dtype, self.device, args.gpu_memory_utilization, bs,
@@ -150,7 +151,7 @@ class LLMEngine(HandoffMixin):
             log.info("%s", plan.describe())
             num_blocks = plan.kv_bytes // sizing_bytes
         else:
-            num_blocks = CPU_KV_CACHE_BYTES // sizing_bytes
+            num_blocks = cpu_kv_cache_blocks(sizing_bytes, bs, args.max_num_seqs, self.max_model_len)
         if num_blocks * bs < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), less than one "

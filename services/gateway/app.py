@@ -21,6 +21,7 @@ from kvrelay.gateway import (
     routes_models,
     routes_tokenize,
 )
+from kvrelay.gateway.access_log import AccessLog
 from kvrelay.gateway.errors import ApiError
 from kvrelay.gateway.frontdoor import HeaderCountLimit
 from kvrelay.gateway.gateway import Gateway, GatewayConfig
@@ -99,4 +100,5 @@ def create_app(gateway: Gateway) -> FastAPI:
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=gateway.config.max_body_bytes)
     app.add_middleware(HeaderCountLimit, max_headers=gateway.config.frontdoor.max_headers)
+    app.add_middleware(AccessLog)  # added last: outermost, so it sees every status, 413 and 431 included
     return app

@@ -67,12 +67,18 @@ class LocalBackend:
 
     roles = ("engine",)
 
-    def __init__(self, engine_args, process=None):
+    def __init__(self, engine_args, process=None, watchdog=None, stats_interval_s: float = 10.0):
         self.engine_args = engine_args
         self.process = process  # kvrelay.engine.core.client.EngineProcess, or None: in this process
         self.engine = None
         self._started = False
         self.on_dead = None  # fn(error), called once if the engine's step loop crashes (serve exits)
+        # In this process: its step-loop watchdog (kvrelay.kvtransfer.watchdog.WatchdogConfig; None:
+        # the defaults). The engine-core process runs its own and reports its verdict.
+        self.watchdog_config = watchdog
+        self.watchdog = None
+        self.stats_interval_s = stats_interval_s
+        self.stats_logger = None
 
     async def start(self) -> None:
         if self.process is not None:
@@ -80,11 +86,25 @@ class LocalBackend:
 
             self.engine = EngineCoreClient(self.process)
         else:
+            import os
+
             from kvrelay.engine.async_engine import AsyncEngine
+            from kvrelay.kvtransfer.watchdog import HANG_AFTER_STEPS_ENV, install_hang_hook
 
             sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
             self.engine = AsyncEngine(self.engine_args)
+            hang = os.environ.get(HANG_AFTER_STEPS_ENV)
+            install_hang_hook(self.engine, int(hang) if hang else None)
         await self.engine.start()
+        if self.process is None:
+            from kvrelay.kvtransfer.watchdog import Watchdog
+
+            self.watchdog = Watchdog(self.engine, self.watchdog_config, "serve")
+            self.watchdog.start()
+        from kvrelay.engine.stats_logger import StatsLogger
+
+        self.stats_logger = StatsLogger(self.engine.stats, self.stats_interval_s, "serve engine")
+        self.stats_logger.start()
         self._started = True
         if self.process is None:  # an engine-core process is watched as a process by serve
             self._dead_watch = asyncio.create_task(self._watch_dead())
@@ -93,6 +113,13 @@ class LocalBackend:
         error = await self.engine.wait_dead()
         if self.on_dead is not None:
             self.on_dead(error)
+
+    def alive(self) -> bool:
+        """False while a watchdog (this process's, or the engine-core process's) finds the engine's
+        step loop hung (liveness)."""
+        if self.watchdog is not None and not self.watchdog.healthy:
+            return False
+        return not getattr(self.engine, "unhealthy", None)
 
     @property
     def model_name(self) -> str:
@@ -122,11 +149,15 @@ class LocalBackend:
     def ready(self) -> bool:
         if not self._started or self.engine is None:
             return False
-        return bool(getattr(self.engine, "is_running", True))
+        return bool(getattr(self.engine, "is_running", True)) and self.alive()
 
     def default_sampling_params(self) -> SamplingParams:
         return self.engine.default_sampling_params()
 
     async def shutdown(self) -> None:
+        if self.stats_logger is not None:
+            await self.stats_logger.stop()
+        if self.watchdog is not None:
+            await self.watchdog.stop()
         if self.engine is not None:
             await self.engine.shutdown()

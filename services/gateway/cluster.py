@@ -10,10 +10,12 @@ The gateway reads only the tokenizer and configs from `--model` (no weights).
 from __future__ import annotations
 
 import argparse
-import logging
 
+from kvrelay.gateway.breaker import BreakerConfig
 from kvrelay.gateway.serve import add_gateway_arguments, build_quota, gateway_config, run_app
+from kvrelay.gateway.stall import StallConfig
 
+from kvrelay.log_format import setup_logging
 from kvrelay.models import BUNDLED_MODEL
 
 
@@ -28,8 +30,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing-policy", default=None,
                         help="a routing policy from a kvrelay.routing plugin (default: the built-in prefix-cache "
                              "affinity with bounded load)")
+    add_resilience_arguments(parser)
     parser.add_argument("--plugins", default=None,
                         help="load only these plugins (comma-separated; default: $KVRELAY_PLUGINS, else all)")
+
+
+def add_resilience_arguments(parser: argparse.ArgumentParser) -> None:
+    """Stall detection and circuit breakers of the gateway in front of workers."""
+    s, b = StallConfig(), BreakerConfig()
+    parser.add_argument("--stall-timeout", type=float, default=s.max_s,
+                        help="longest a started stream may go without a token before it is abandoned (the timeout "
+                             f"used is {s.factor:g}x the worker's mean inter-token gap, between {s.min_s:g} s and "
+                             "this); a stream whose worker stops reporting its load is abandoned at once; a "
+                             "request that got no token yet is retried on another decode worker")
+    parser.add_argument("--breaker-failures", type=int, default=b.failure_threshold,
+                        help="consecutive failures or stalls of a decode worker that open its circuit breaker")
+    parser.add_argument("--breaker-cooldown", type=float, default=b.cooldown_s,
+                        help="seconds an open breaker waits before letting one probe request through")
 
 
 def build_backend(args: argparse.Namespace, prefill: str, decode: str):
@@ -37,14 +54,16 @@ def build_backend(args: argparse.Namespace, prefill: str, decode: str):
 
     return DisaggregatedBackend(prefill, decode, args.model, args.served_model_name,
                                 capacity=args.capacity or 256, dns_refresh_s=args.dns_refresh,
-                                routing_policy=getattr(args, "routing_policy", None))
+                                routing_policy=getattr(args, "routing_policy", None),
+                                stall=StallConfig(max_s=args.stall_timeout),
+                                breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown))
 
 
 def run(args: argparse.Namespace) -> int:
     from kvrelay.gateway.app import Gateway, create_app
     from kvrelay.gateway.serve import load_tenants
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     if not args.decode:
         raise SystemExit("kvrelay gateway: --decode is required (HOST:PORT,... or dns:///NAME:PORT); "
                          "--prefill is optional (decode workers can prefill locally)")

@@ -13,6 +13,7 @@ stream ejects the worker at once, a silent one after `eject_after_s`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -21,8 +22,12 @@ from kvrelay.engine.block_pool import cache_root, prompt_block_hashes
 from kvrelay.engine.outputs import EngineStats
 from kvrelay.engine.sampling_params import SamplingParams, defaults_from_generation_config
 from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.gateway import deadlines
+from kvrelay.gateway.access_log import REQUEST_ID
+from kvrelay.gateway.breaker import BreakerConfig, Breakers
 from kvrelay.gateway.routing import Discovery, WorkerPool
 from kvrelay.gateway.routing_policy import resolve as resolve_policy
+from kvrelay.gateway.stall import StallConfig, StalledError, StepTimes, watch
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +41,8 @@ class DisaggregatedBackend:
 
     def __init__(self, prefill: str, decode: str, model: str, served_model_name: str | None = None,
                  capacity: int = 256, dns_refresh_s: float = 5.0, eject_after_s: float = 1.0,
-                 load_interval_s: float = 0.2, routing_policy: str | None = None):
+                 load_interval_s: float = 0.2, routing_policy: str | None = None,
+                 stall: StallConfig | None = None, breaker: BreakerConfig | None = None):
         from kvrelay.kvtransfer import client  # noqa: F401 - fail early if the workers' client is missing
 
         self.model_dir = Path(model)
@@ -60,6 +66,10 @@ class DisaggregatedBackend:
         self._where: dict[str, str] = {}  # request id -> decode worker serving it
         self._supervisor: asyncio.Task | None = None
         self.retries = 0  # requests moved to another decode worker after a failure before the first token
+        self.step_times = StepTimes(stall or StallConfig())
+        self.breakers = Breakers(breaker)
+        self._draining: set[str] = set()  # workers finishing their streams before they stop
+        self._down: set[tuple[str, str]] = set()  # (role, address) whose load stream is broken: logged once
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -99,6 +109,10 @@ class DisaggregatedBackend:
         while address in pool.workers:
             try:
                 async for r in watch_load(address, self.load_interval_s):
+                    if (pool.role, address) in self._down:
+                        self._down.discard((pool.role, address))
+                        log.info("%s worker %s: load stream back", pool.role, address)
+                    self._draining.discard(address)
                     pool.report(address, num_waiting=r.num_waiting, num_running=r.num_running,
                                 kv_blocks_free=r.kv_blocks_free, kv_blocks_total=r.kv_blocks_total,
                                 cached_blocks=r.prefix_hashes_current, node=r.node, kv_shm=r.kv_shm)
@@ -106,11 +120,14 @@ class DisaggregatedBackend:
                     self._reported_model_id = r.layout.model_id
                     self._block_size = r.layout.block_size
                     if r.draining:
+                        self._draining.add(address)  # its streams in flight finish: not a stall
                         break
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - any broken stream means: not usable now
-                log.warning("%s worker %s ejected: %s", pool.role, address, e)
+                if (pool.role, address) not in self._down:  # once per outage, not every retry
+                    self._down.add((pool.role, address))
+                    log.warning("%s worker %s ejected: %s", pool.role, address, e)
             worker = pool.workers.get(address)
             if worker is not None:
                 worker.last_report = 0.0  # ejected until its stream is back
@@ -153,7 +170,7 @@ class DisaggregatedBackend:
 
     async def generate(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,
                        cache_salt: str | None = None):
-        from kvrelay.kvtransfer.errors import NoCapacityError, WorkerUnavailableError
+        from kvrelay.kvtransfer.errors import DeadlineExceededError, NoCapacityError, WorkerUnavailableError
 
         ids = prompt if isinstance(prompt, list) else self.tokenizer.encode_prompt(prompt)
         # Affinity on the salted keys: the same keys the workers' caches hold and publish.
@@ -162,9 +179,11 @@ class DisaggregatedBackend:
         tried: set[str] = set()
         last_error: Exception | None = None
         for _ in range(DECODE_ATTEMPTS):
-            decode = self.decode.pick_decode(hashes, exclude=tried)
+            decode = self.decode.pick_decode(hashes, exclude=tried | self.breakers.unavailable("decode"))
             if decode is None:
                 break
+            breaker = self.breakers.get("decode", decode.address)
+            breaker.acquire()
             prefills = []
             for _ in range(PREFILL_CANDIDATES):
                 p = self.prefill.pick_prefill(hashes, exclude=[w.address for w in prefills],
@@ -179,31 +198,58 @@ class DisaggregatedBackend:
             self._where[request_id] = decode.address
             stream = self._client(decode.address).generate(
                 ids, params, request_id, prefill_addr=[p.address for p in prefills] or None, priority=priority,
-                cache_salt=cache_salt)
+                cache_salt=cache_salt, timeout_s=deadlines.remaining(),
+                metadata=(("x-request-id", xrid),) if (xrid := REQUEST_ID.get()) else None)
+            address = decode.address
+            watched = watch(stream, address, lambda a=address: self._alive(a), self.step_times)
             try:
-                async for out in stream:
+                async for out in watched:
                     if not started:
                         started = True
+                        breaker.success()
                         for p in prefills:  # prefill is done once the first token exists
                             p.inflight -= 1
                     yield out
                 return
+            except StalledError as e:
+                breaker.failure(str(e))
+                if started:  # tokens reached the caller: a clean error, not a second answer
+                    raise WorkerUnavailableError(f"decode worker {address} stalled mid-stream: {e}") from None
+                log.warning("request %s: %s before the first token; retrying elsewhere", request_id, e)
+                tried.add(address)
+                self.retries += 1
+                last_error = WorkerUnavailableError(str(e))
             except (WorkerUnavailableError, NoCapacityError) as e:
+                if isinstance(e, WorkerUnavailableError):
+                    breaker.failure(str(e))
                 if started:
                     raise
-                log.warning("decode worker %s failed before the first token, retrying elsewhere: %s",
-                            decode.address, e)
-                tried.add(decode.address)
+                log.warning("decode worker %s failed before the first token, retrying elsewhere: %s", address, e)
+                tried.add(address)
                 self.retries += 1
                 last_error = e
+            except DeadlineExceededError:
+                breaker.failure("deadline exceeded")
+                raise
             finally:
+                breaker.release()
                 decode.inflight -= 1
                 if not started:
                     for p in prefills:
                         p.inflight -= 1
                 self._where.pop(request_id, None)
-                await stream.aclose()
+                # A stalled read is still closing the stream in the background (RuntimeError here).
+                for gen in (watched, stream):
+                    with contextlib.suppress(RuntimeError):
+                        await gen.aclose()
         raise last_error or WorkerUnavailableError("no live decode worker")
+
+    def _alive(self, address: str) -> bool:
+        """Whether a decode worker still proves it is alive (or is draining its streams)."""
+        return address in self._draining or any(w.address == address for w in self.decode.live())
+
+    def metric_collectors(self) -> list:
+        return [self.breakers]
 
     async def abort(self, request_id: str) -> None:
         address = self._where.get(request_id)

@@ -20,6 +20,7 @@ from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.gateway import errors
 from kvrelay.gateway.backend import Backend
+from kvrelay.gateway.deadlines import request_timeout
 from kvrelay.gateway.errors import ApiError
 from kvrelay.gateway.frontdoor import FrontDoorLimits
 from kvrelay.gateway.metrics import GatewayMetrics
@@ -58,6 +59,7 @@ class GatewayConfig:
     allow_special_tokens: bool = False  # True: special-token text in prompts and messages acts as special
     frontdoor: FrontDoorLimits = field(default_factory=FrontDoorLimits)  # header and connection limits
     tools: tool_calling.ToolSettings = field(default_factory=tool_calling.ToolSettings)  # tool-call parser
+    request_timeout_s: float | None = 600.0  # every request's deadline, capped per tenant; None: none
 
 
 @dataclass
@@ -89,6 +91,7 @@ class Prepared:
     def engine_priority(self) -> int:
         """The tenant's band dominates (no request lifts itself over another band), then the request's."""
         return self.tenant.priority * PRIORITY_BAND + self.priority
+    timeout_s: float | None = None  # the request's deadline, from arrival (deadlines.py)
 
 
 class Gateway:
@@ -100,7 +103,11 @@ class Gateway:
         self.quota = quota or QuotaManager(MemoryQuotaStore(), self.config.lease_ttl_s, self.config.quota_fail_open,
                                            self.config.quota_wait_s)
         self.metrics = GatewayMetrics(self.config.max_tenant_labels, self.config.tenant_metrics)
-        self.metrics.attach_gauges(self._gauges, self.backend.stats)
+        # The engine's counters only where the engine runs in this process (workers export their own).
+        in_process = "engine" in getattr(backend, "roles", ("engine",))
+        self.metrics.attach_gauges(self._gauges, self.backend.stats if in_process else None)
+        for collector in getattr(backend, "metric_collectors", list)():  # e.g. circuit breakers
+            self.metrics.registry.register(collector)
         self.scheduler: FairScheduler | None = None
         self.running = 0
         self._executor = ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="kvrelay-tokenize")
@@ -368,6 +375,9 @@ class Gateway:
             raise errors.unavailable(f"The gateway is saturated: {e}", "queue_full") from e
 
     # ------------------------------------------------------------------ generation
+
+    def request_timeout(self, tenant: Tenant) -> float | None:
+        return request_timeout(self.config.request_timeout_s, tenant.request_timeout_s)
 
     def stream_outputs(self, p: Prepared):
         """(prompt index, RequestOutput) for every prompt of the request, interleaved."""

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from kvrelay.kvtransfer.metrics import expert_load_metrics, parallel_metrics, spec_decode_metrics
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -49,18 +49,25 @@ class _GaugeCollector:
 
 
 class _EngineCounters:
-    """Counters of an in-process engine (`serve`) that the workers export too: speculative decoding,
-    expert load."""
+    """Counters of an in-process engine (`serve`) that the workers export too: prefix cache,
+    preemptions, speculative decoding, expert load."""
 
     def __init__(self, stats: Callable[[], object | None]):
         self._stats = stats
 
     def collect(self):
         s = self._stats()
-        if s is not None:
-            yield from spec_decode_metrics(s)
-            yield from parallel_metrics(s)
-            yield from expert_load_metrics(s)
+        if s is None:
+            return
+        for name, doc, value in (
+            ("kvrelay:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("kvrelay:prefix_cache_hits", "Prompt tokens served by the prefix cache.", s.prefix_cache_hits),
+            ("kvrelay:num_preemptions", "Sequences preempted (recompute).", s.num_preemptions),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield from spec_decode_metrics(s)
+        yield from parallel_metrics(s)
+        yield from expert_load_metrics(s)
 
 
 class GatewayMetrics:

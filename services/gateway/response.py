@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from fastapi.responses import Response
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 from kvrelay.gateway import errors
+from kvrelay.gateway.access_log import access_fields
+from kvrelay.gateway.deadlines import DEADLINE, deadline_exceeded
 from kvrelay.gateway.errors import ApiError
 from kvrelay.gateway.gateway import Gateway, Prepared
 from kvrelay.gateway.prompt_logprobs import echo_lists, vllm_lists
@@ -39,6 +42,8 @@ def _engine_error(e: Exception, p: Prepared) -> ApiError:
         return errors.bad_request(str(e), e.field)
     if isinstance(e, EngineDeadError):
         return errors.unavailable(f"The engine stopped: {e}", "engine_dead")
+    if type(e).__name__ == "DeadlineExceededError":  # a worker saw the deadline pass first
+        return deadline_exceeded(p.timeout_s or 0)
     if type(e).__module__ == "kvrelay.kvtransfer.errors":  # worker unreachable, no capacity, failed hand-off
         return errors.unavailable(f"No worker could serve the request: {e}", "workers_unavailable")
     log.exception("request %s failed", p.request_id, exc_info=e)
@@ -77,16 +82,28 @@ class GenerationResponse(Response):
         self.headers_sent = False
         self.last_token_at: float | None = None
         self._itl = gateway.metrics.itl.labels(prepared.model)  # observed per token: bind the labels once
+        self.access: dict = {}  # this request's access-line fields (access_log.py), bound in __call__
 
     async def __call__(self, scope, receive, send) -> None:
+        p = self.p
+        self.access = access_fields(scope)
+        self.access.update(tenant=p.tenant.id, model=p.model)
+        p.timeout_s = timeout = self.gw.request_timeout(p.tenant)
+        left = None if timeout is None else p.arrival + timeout - time.monotonic()
+        DEADLINE.set(None if timeout is None else p.arrival + timeout)  # copied into the task below
         main = asyncio.create_task(self._run(send))
         watcher = asyncio.create_task(_wait_disconnect(receive))
+        timed_out = False
         try:
-            await asyncio.wait({main, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({main, watcher}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            timed_out = not main.done() and not watcher.done()
         finally:
             for task in (main, watcher):
                 task.cancel()
             await asyncio.gather(main, watcher, return_exceptions=True)
+        if timed_out:  # the cancel closed the backend iterator: the request was aborted upstream
+            with contextlib.suppress(OSError):
+                await self._fail(deadline_exceeded(timeout), send)
 
     # -- the request's life after admission
 
@@ -95,7 +112,8 @@ class GenerationResponse(Response):
         outputs = None
         try:
             await gw.scheduler.wait(p.ticket)
-            gw.metrics.queue_time.labels(p.model).observe(time.monotonic() - p.arrival)
+            self.access["queue_s"] = time.monotonic() - p.arrival
+            gw.metrics.queue_time.labels(p.model).observe(self.access["queue_s"])
             gw.running += 1
             outputs = gw.stream_outputs(p)
             if p.stream:
@@ -136,6 +154,7 @@ class GenerationResponse(Response):
         for reason in reasons:
             m.requests.labels(p.model, tenant, reason).inc()
         m.e2e.labels(p.model).observe(time.monotonic() - p.arrival)
+        self.access.update(prompt_tokens=prompt_tokens, completion_tokens=generated)
 
     async def _fail(self, e: ApiError, send) -> None:
         self.gw.metrics.errors.labels(str(e.status)).inc()
@@ -155,7 +174,7 @@ class GenerationResponse(Response):
         await send({"type": "http.response.body", "body": data})
 
     def _extra_headers(self) -> dict[str, str]:
-        h = {"x-request-id": self.p.request_id}
+        h: dict[str, str] = {}  # x-request-id: added by access_log.AccessLog
         if self.p.admission is not None:
             h.update(self.p.admission.headers)
         return h
@@ -199,6 +218,7 @@ class GenerationResponse(Response):
         now = time.monotonic()
         if out.new_token_ids:
             if self.last_token_at is None:
+                self.access["ttft_s"] = now - p.arrival
                 self.gw.metrics.ttft.labels(p.model).observe(now - p.arrival)
             else:
                 self._itl.observe(now - self.last_token_at)

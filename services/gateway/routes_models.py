@@ -22,8 +22,11 @@ async def models(request: Request, tenant: Annotated[Tenant, Depends(tenant_of)]
     return {"object": "list", "data": data}
 
 
-@router.get("/health")
-async def health():
+@router.get("/health", responses={503: ERROR_RESPONSES[503]})
+async def health(request: Request):
+    alive = getattr(gateway_of(request).backend, "alive", None)
+    if alive is not None and not alive():  # the in-process engine's step loop is hung (watchdog)
+        raise errors.unavailable("The engine's step loop is hung", "engine_hung", retry_after=None)
     return {"status": "ok"}
 
 

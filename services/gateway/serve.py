@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import yaml
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
@@ -24,7 +25,10 @@ from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStor
 from kvrelay.gateway.structured.tool_parsers import PARSERS
 from kvrelay.gateway.structured.tools import ToolSettings
 from kvrelay.gateway.tenants import TenantConfigError, TenantRegistry
+from kvrelay.kvtransfer.watchdog import WatchdogConfig
 from kvrelay.kvtransfer.worker_base import PARENT_PID_ENV
+
+from kvrelay.log_format import add_log_arguments, setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +88,14 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                              "tool support): hermes (also Qwen), llama3_json, mistral")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='allow tool_choice "auto" (the model decides; needs --tool-call-parser)')
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                        help="seconds from a request's arrival to its deadline (a tenant's request_timeout_s caps "
+                             "it; 0: none); on expiry every hop aborts it and the client gets a 504, or an SSE "
+                             "error event once streaming")
+    add_log_arguments(parser)
+    parser.add_argument("--stats-interval", type=float, default=10.0,
+                        help="serve: seconds between engine stats lines in the log (idle intervals are skipped; "
+                             "0: off)")
 
 
 def build_quota(args: argparse.Namespace) -> QuotaManager:
@@ -105,21 +116,37 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          tenant_metrics=not args.no_tenant_metrics,
                          default_reserve_tokens=args.default_reserve_tokens,
                          tools=ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice),
+                         request_timeout_s=args.request_timeout or None,
                          frontdoor=FrontDoorLimits(args.max_header_bytes, args.max_headers, args.header_timeout,
                                                    args.max_connections_per_client))
 
 
-def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = (), backend=None) -> int:
-    """Serve app until SIGTERM/SIGINT (returns 0) or until a process in watch exits (returns 1):
-    `serve --disaggregated` without its local worker would only answer 503. Likewise when the
-    in-process engine of backend stops after an error (a parallel worker died): exit 1."""
+def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Popen]] = (), backend=None,
+            supervisor=None) -> int:
+    """Serve app until SIGTERM/SIGINT (returns 0), or return 1: when a process in watch exits (the
+    engine-core process), when the in-process engine of backend stops after an error or its watchdog
+    gives up on a hung step loop, or when supervisor (`serve --disaggregated`'s local workers)
+    cannot bring a worker back."""
     import uvicorn
 
     limits = app.state.gateway.config.frontdoor
+    # log_config=None: uvicorn's loggers go through the root handler (setup_logging: text or JSON).
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=False, timeout_graceful_shutdown=5,
+                                           access_log=False, timeout_graceful_shutdown=5, log_config=None,
                                            **uvicorn_options(limits)))
     lost: list[str] = []
+    backend = app.state.gateway.backend
+
+    def watch_engine() -> None:
+        """serve's own engine: exit (code 1) once its watchdog gives up on a hung step loop."""
+        while not server.should_exit:
+            watchdog = getattr(backend, "watchdog", None)
+            if watchdog is not None and watchdog.expired.is_set():
+                lost.append("engine")
+                server.should_exit = True
+            time.sleep(0.25)
+
+    threading.Thread(target=watch_engine, daemon=True).start()
 
     def wait_for(role: str, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -139,6 +166,13 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
 
     if backend is not None:
         backend.on_dead = engine_died
+
+    def give_up(role: str) -> None:
+        lost.append(role)
+        server.should_exit = True  # read by uvicorn's main loop on its next tick
+
+    if supervisor is not None:
+        supervisor.on_give_up = give_up
     metrics_server = None
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -165,27 +199,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-shm-bytes", type=parse_bytes, default=0,
                         help="with --disaggregated: hand K/V over through a shared-memory arena of this size in "
                              "/dev/shm (e.g. 256MiB) instead of inline on gRPC; 0: off")
+    parser.add_argument("--max-worker-restarts", type=int, default=5,
+                        help="with --disaggregated: consecutive failed restarts of a local worker before serve exits "
+                             "with code 1 (0: exit when a worker dies)")
     parser.add_argument("--kv-shared-cache", action="store_true",
                         help="with --kv-shm-bytes: the prefill worker keeps its KV cache in /dev/shm and the "
                              "decode worker copies blocks straight out of it (CPU only)")
+    from kvrelay.gateway.cluster import add_resilience_arguments
+
+    add_resilience_arguments(parser)
+    w = WatchdogConfig()
+    parser.add_argument("--watchdog-timeout", type=float, default=w.timeout_s,
+                        help="the engine's step loop counts as hung after this many seconds without progress (or "
+                             "100 mean step times, if longer): /ready and /health answer 503")
+    parser.add_argument("--watchdog-grace", type=float, default=w.grace_s,
+                        help="seconds serve stays up with a hung engine before it exits with code 1")
     EngineArgs.add_cli_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     if args.disaggregated:
         return run_disaggregated(args)
     engine_args = EngineArgs.from_cli(args)
+    watchdog = WatchdogConfig(args.watchdog_timeout, grace_s=args.watchdog_grace)
     if args.engine_in_process:
-        backend = LocalBackend(engine_args)
+        backend = LocalBackend(engine_args, watchdog=watchdog, stats_interval_s=args.stats_interval)
         gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
         return run_app(create_app(gateway), args, backend=backend)
     from kvrelay.engine.core.client import EngineProcess
 
     tenants = load_tenants(args)  # its errors first, before a model loads
-    process = EngineProcess.start(engine_args, args.log_level)
+    process = EngineProcess.start(engine_args, args.log_level, watchdog, args.log_format)
     try:
-        gateway = Gateway(LocalBackend(engine_args, process), tenants, build_quota(args), gateway_config(args))
+        backend = LocalBackend(engine_args, process, stats_interval_s=args.stats_interval)
+        gateway = Gateway(backend, tenants, build_quota(args), gateway_config(args))
         return run_app(create_app(gateway), args, [("engine", process)])
     finally:
         process.stop()
@@ -207,10 +255,10 @@ def load_tenants(args: argparse.Namespace) -> TenantRegistry:
         raise SystemExit(f"kvrelay: cannot load the tenants file: {e}") from e
 
 
-def start_worker(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    """`kvrelay prefill|decode --port 0` on loopback; returns the process and its address."""
-    cmd = [sys.executable, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", "0", "--model", args.model,
-           "--max-num-seqs", str(args.max_num_seqs)]
+def start_worker(role: str, args: argparse.Namespace, port: int = 0) -> subprocess.Popen:
+    """`kvrelay prefill|decode` on loopback (port 0: any free port); returns once it listens."""
+    cmd = [sys.executable, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", str(port),
+           "--model", args.model, "--max-num-seqs", str(args.max_num_seqs)]
     if args.kv_cache_memory is not None:
         cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.served_model_name:
@@ -223,35 +271,36 @@ def start_worker(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen,
         cmd += ["--kv-shm-bytes", str(args.kv_shm_bytes)]
     elif args.kv_shared_cache and args.kv_shm_bytes:
         cmd += ["--kv-shared-cache"]
+    cmd += ["--watchdog-timeout", str(args.watchdog_timeout), "--watchdog-grace", str(args.watchdog_grace),
+            "--log-level", args.log_level, "--log-format", args.log_format,
+            "--stats-interval", str(args.stats_interval)]
     # uvicorn re-raises the SIGTERM it handled once it has shut down, so the finally in
     # run_disaggregated may never run: the workers also stop by themselves when serve exits.
     env = os.environ | {PARENT_PID_ENV: str(os.getpid())}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    # Its own session: a Ctrl+C in the terminal reaches serve alone, which then stops the workers
+    # (a worker stopping by itself would look like a crash to the supervisor).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     for line in proc.stdout:  # the worker prints "kvrelay <role> listening on HOST:PORT ..."
         if " listening on " in line:
-            address = line.split(" listening on ")[1].split()[0]
             threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining its output
-            return proc, address
-    raise SystemExit(f"kvrelay serve --disaggregated: the {role} worker exited with {proc.wait()}")
+            return proc
+    raise RuntimeError(f"the {role} worker exited with {proc.wait()} before listening")
 
 
 def run_disaggregated(args: argparse.Namespace) -> int:
     from kvrelay.gateway.cluster import build_backend
+    from kvrelay.gateway.supervisor import RestartPolicy, Supervisor
 
-    workers = []
+    supervisor = Supervisor(["prefill", "decode"], lambda role, port: start_worker(role, args, port),
+                            RestartPolicy(max_restarts=args.max_worker_restarts))
     try:
-        workers.append(start_worker("prefill", args))
-        workers.append(start_worker("decode", args))
+        try:
+            supervisor.start_all()
+        except RuntimeError as e:
+            raise SystemExit(f"kvrelay serve --disaggregated: {e}") from None
         args.dns_refresh = 5.0
-        backend = build_backend(args, workers[0][1], workers[1][1])
+        backend = build_backend(args, supervisor.addresses["prefill"], supervisor.addresses["decode"])
         gateway = Gateway(backend, load_tenants(args), build_quota(args), gateway_config(args))
-        watch = [("prefill", workers[0][0]), ("decode", workers[1][0])]
-        return run_app(create_app(gateway), args, watch)
+        return run_app(create_app(gateway), args, supervisor=supervisor)
     finally:
-        for proc, _ in workers:
-            proc.terminate()
-        for proc, _ in workers:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        supervisor.stop()

@@ -9,6 +9,7 @@ The tenants file is YAML (in a cluster it is mounted from a Kubernetes Secret):
         max_request_priority: 0     # optional: the highest `priority` its requests may ask for (default 0)
         allowed_models: ["*"]       # or a list of served model ids
         prefix_cache_group: team-a  # optional: tenants naming the same group share cached prefixes
+        request_timeout_s: 60       # optional: caps the gateway's --request-timeout for this tenant
         quotas:                     # every quota is optional; absent means unlimited
           requests_per_minute: 600
           tokens_per_minute: 200000
@@ -58,6 +59,7 @@ class Tenant:
     prefix_cache_group: str | None = None  # None: a prefix cache of its own
     # A request's `priority` orders it among its tenant's own requests, up to this (None: unbounded).
     max_request_priority: int | None = 0
+    request_timeout_s: float | None = None  # caps the gateway's --request-timeout for this tenant
 
     def may_use(self, model: str) -> bool:
         return "*" in self.allowed_models or model in self.allowed_models
@@ -82,7 +84,8 @@ def parse_tenants(doc: object, source: str = "tenants file") -> list[Tenant]:
         if not isinstance(entry, dict):
             raise TenantConfigError(f"{where}: expected a mapping")
         unknown = set(entry) - {"id", "api_keys_sha256", "priority", "allowed_models", "quotas", "prefix_cache_group",
-                                "max_request_priority"}
+                                "max_request_priority",
+                                "request_timeout_s"}
         if unknown:
             raise TenantConfigError(f"{where}: unknown fields {sorted(unknown)}")
         tid = entry.get("id")
@@ -122,8 +125,13 @@ def parse_tenants(doc: object, source: str = "tenants file") -> list[Tenant]:
         group = entry.get("prefix_cache_group")
         if group is not None and (not isinstance(group, str) or not group):
             raise TenantConfigError(f"{where}.prefix_cache_group: expected a non-empty string, got {group!r}")
+        timeout = entry.get("request_timeout_s")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                    or timeout <= 0):
+            raise TenantConfigError(f"{where}.request_timeout_s: expected seconds > 0, got {timeout!r}")
         tenants.append(Tenant(tid, tuple(key_hashes), Quotas(**quotas), priority, tuple(models),
-                              None if group is None else f"group:{group}", max_request))
+                              None if group is None else f"group:{group}", max_request,
+                              timeout))
     return tenants
 
 

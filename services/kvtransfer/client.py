@@ -69,10 +69,13 @@ class DecodeClient(_Client):
         priority: int = 0,
         allow_local_prefill: bool = True,
         cache_salt: str | None = None,
+        timeout_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, prefilled on prefill_addr (tried in order if several; None:
         on the decode worker itself). allow_local_prefill: whether the decode worker may prefill
-        itself when every prefill worker failed."""
+        itself when every prefill worker failed. timeout_s: the call's gRPC deadline (the decode
+        worker passes what is left of it to its prefill call; DeadlineExceededError on expiry)."""
         request_id = request_id or uuid.uuid4().hex
         addrs = [prefill_addr] if isinstance(prefill_addr, str) else list(prefill_addr or [])
         req = decode_pb2.GenerateRequest(request_id=request_id, params=params_to_proto(params), priority=priority,
@@ -82,7 +85,7 @@ class DecodeClient(_Client):
             req.text = prompt
         else:
             req.token_ids.CopyFrom(common_pb2.TokenIds(ids=prompt))
-        call = self._stub.Generate(req)
+        call = self._stub.Generate(req, timeout=timeout_s, metadata=tuple(metadata or ()))
         settled = False  # the server ended the call (normally or with an error): nothing to abort
         try:
             async for resp in call:

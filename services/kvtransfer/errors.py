@@ -45,3 +45,9 @@ class RequestAbortedError(HandoffError):
     """The request was aborted (client cancel, explicit abort, lease expiry)."""
 
     code = grpc.StatusCode.CANCELLED
+
+
+class DeadlineExceededError(HandoffError):
+    """The request's deadline passed: every hop aborted it and freed its blocks. Not retried."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

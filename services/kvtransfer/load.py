@@ -13,6 +13,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
 from kvrelay.kvtransfer.layout import KVLayout
 from kvrelay.v1 import load_pb2, load_pb2_grpc
 
@@ -82,7 +83,8 @@ def prefix_digest(hashes: list[int]) -> int:
 
 class LoadServicer(load_pb2_grpc.LoadServiceServicer):
     def __init__(self, role: str, engine, layout: KVLayout, active_handoffs: Callable[[], int],
-                 default_interval_s: float = DEFAULT_INTERVAL_S, node: str = "", kv_shm: bool = False):
+                 default_interval_s: float = DEFAULT_INTERVAL_S, node: str = "", kv_shm: bool = False,
+                 healthy: Callable[[], str | None] = lambda: None):
         self.role = role
         self.node = node
         self.kv_shm = kv_shm
@@ -91,6 +93,7 @@ class LoadServicer(load_pb2_grpc.LoadServiceServicer):
         self.active_handoffs = active_handoffs
         self.default_interval_s = default_interval_s
         self.draining = False
+        self.unhealthy = healthy  # None while healthy, else why not (the watchdog): the stream ends
 
     async def snapshot(self, timeout_s: float):
         """(stats, cached block hashes or None) read between engine steps; stats alone if the engine is busy."""
@@ -104,6 +107,9 @@ class LoadServicer(load_pb2_grpc.LoadServiceServicer):
         interval = request.interval_ms / 1000 if request.interval_ms else self.default_interval_s
         last_digest, seq = None, 0
         while True:
+            problem = self.unhealthy()
+            if problem is not None:  # gateways drop this worker at once, as for a dead one
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} worker unhealthy: {problem}")
             stats, hashes = await self.snapshot(interval)
             msg = load_pb2.LoadReport(
                 role=self.role, layout=self.layout.to_proto(), max_model_len=self.engine.max_model_len,

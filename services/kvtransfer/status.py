@@ -10,14 +10,14 @@ from kvrelay.kvtransfer import errors as E
 
 _BY_NAME = {cls.__name__: cls for cls in (
     E.HandoffError, E.LayoutMismatchError, E.ChunkError, E.PrefillFailedError, E.NoCapacityError,
-    E.WorkerUnavailableError, E.RequestAbortedError)}
+    E.WorkerUnavailableError, E.RequestAbortedError, E.DeadlineExceededError)}
 _BY_CODE = {
     grpc.StatusCode.FAILED_PRECONDITION: E.LayoutMismatchError,
     grpc.StatusCode.DATA_LOSS: E.ChunkError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: E.NoCapacityError,
     grpc.StatusCode.UNAVAILABLE: E.WorkerUnavailableError,
     grpc.StatusCode.CANCELLED: E.RequestAbortedError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: E.WorkerUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: E.DeadlineExceededError,
 }
 
 

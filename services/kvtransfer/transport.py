@@ -69,6 +69,8 @@ class HandoffRequest:
     params: SamplingParams
     priority: int = 0
     cache_salt: str = ""  # both sides hash the prompt's blocks from the same salted root
+    deadline: float | None = None  # the request's deadline (time.monotonic()); None: only the hand-off timeout
+    client_request_id: str = ""  # the client's X-Request-Id, for the prefill worker's log
 
 
 @dataclass
@@ -136,14 +138,16 @@ class GrpcKVTransport(KVTransport):
         self.shm_quarantine_s = 60.0
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _prefill_call(self, addr: str) -> grpc.aio.StreamStreamCall:
+    def _prefill_call(self, addr: str, timeout_s: float | None = None,
+                      client_request_id: str = "") -> grpc.aio.StreamStreamCall:
         ch = self._channels.get(addr)
         if ch is None:
             ch = self._channels[addr] = grpc.aio.insecure_channel(addr, options=channel_options(self.max_message_bytes))
         # Not the generated stub: chunk payloads are read as views of the received buffer.
         method = ch.stream_stream(PREFILL_METHOD, request_serializer=kv_pb2.PrefillClientMessage.SerializeToString,
                                   response_deserializer=decode_server_message)
-        return method()
+        return method(timeout=timeout_s,
+                      metadata=(("x-request-id", client_request_id),) if client_request_id else None)
 
     async def close(self) -> None:
         for ch in self._channels.values():
@@ -157,7 +161,11 @@ class GrpcKVTransport(KVTransport):
             self.cuda_ipc.close()
 
     async def pull(self, prefill_addr: str, request: HandoffRequest, dest: KVDestination) -> HandoffResult:
-        call = self._prefill_call(prefill_addr)
+        # The request's deadline travels on as the prefill call's gRPC deadline.
+        timeout_s = self.timeout_s
+        if request.deadline is not None:
+            timeout_s = max(0.001, min(timeout_s, request.deadline - time.monotonic()))
+        call = self._prefill_call(prefill_addr, timeout_s, request.client_request_id)
         region = None
         nbytes = self.layout.bytes_for_blocks(len(dest.block_ids) - dest.num_cached_blocks)
         if self.arena is not None and nbytes:
@@ -169,7 +177,7 @@ class GrpcKVTransport(KVTransport):
         done_ok = False
         writer_stopped = True  # no prefill-side code can still write into the region
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(timeout_s):
                 result = await asyncio.shield(inner)
             done_ok = True  # PrefillDone came after the last chunk: nothing more is placed
             return result
@@ -178,7 +186,7 @@ class GrpcKVTransport(KVTransport):
             raise err(f"prefill worker {prefill_addr}: {e.code().name}: {e.details()}") from None
         except TimeoutError:
             raise PrefillFailedError(f"prefill worker {prefill_addr}: no complete hand-off within "
-                                     f"{self.timeout_s:.0f} s") from None
+                                     f"{timeout_s:.1f} s") from None
         finally:
             if attempt.doorbell is not None:
                 self.doorbell.unregister(attempt.doorbell)  # before the caller frees the blocks

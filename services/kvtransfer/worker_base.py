@@ -16,12 +16,17 @@ from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
 from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
+from kvrelay.engine.stats_logger import StatsLogger
 from kvrelay.kvtransfer.grpc_options import server_options
+from kvrelay.kvtransfer.health_http import serve_health
 from kvrelay.kvtransfer.layout import DEFAULT_MAX_MESSAGE_BYTES, KVLayout, plan_chunks
 from kvrelay.kvtransfer.load import LoadServicer
 from kvrelay.kvtransfer.metrics import WorkerMetrics
 from kvrelay.kvtransfer.shm import SharedKVCache
+from kvrelay.kvtransfer.watchdog import HANG_AFTER_STEPS_ENV, Watchdog, WatchdogConfig, install_hang_hook
 from kvrelay.v1 import load_pb2_grpc
+
+from kvrelay.log_format import add_log_arguments
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +48,9 @@ class WorkerOptions:
     debug_chunk_delay_s: float = 0.0  # fault injection for tests: pause after each chunk sent
     # decode side
     allow_local_prefill: bool = True  # when every prefill worker failed, prefill on the decode worker
-    handoff_timeout_s: float = 300.0  # give up one remote prefill after this long
+    # Give up one remote prefill after this long (then the next prefill worker or a local prefill);
+    # the request's own deadline bounds it too.
+    handoff_timeout_s: float = 15.0
     # Shared-memory data plane for prefill workers on the same node (kvrelay.kvtransfer.shm):
     # arena bytes (0: off, K/V always inline on gRPC) and the memory-backed directory holding it.
     kv_shm_bytes: int = 0
@@ -56,6 +63,10 @@ class WorkerOptions:
     kv_shared_cache: bool = False
     # decode side: a K/V transport from a kvrelay.kv_transports plugin by name (None: gRPC, built in).
     kv_transport: str | None = None
+    # The step-loop watchdog (kvrelay.kvtransfer.watchdog): hung after this long, exit after the grace.
+    watchdog_timeout_s: float = 30.0
+    watchdog_grace_s: float = 10.0
+    stats_interval_s: float = 10.0  # the periodic engine stats line (kvrelay.engine.stats_logger); 0: off
     # Mooncake data plane (--kv-transport mooncake, kvrelay.kvtransfer.mooncake): the address this
     # worker's transfer engine listens on, which its peers reach (the pod IP); the decode side's
     # protocol ("tcp" or "rdma") and the bytes of its registered region arena (in kv_shm_dir).
@@ -69,7 +80,17 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
     d = WorkerOptions()
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, required=True, help="gRPC port (0: any free port, printed at start)")
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus /metrics, and /health and /ready for probes, on this port")
+    parser.add_argument("--stats-interval", dest="stats_interval_s", type=float, default=d.stats_interval_s,
+                        help="seconds between engine stats lines in the log (idle intervals are skipped; 0: off)")
+    add_log_arguments(parser)
+    parser.add_argument("--watchdog-timeout", dest="watchdog_timeout_s", type=float, default=d.watchdog_timeout_s,
+                        help="the engine's step loop counts as hung after this many seconds without progress "
+                             "(or 100 mean step times, if longer): the worker turns unhealthy on its load stream, "
+                             "/health and /ready")
+    parser.add_argument("--watchdog-grace", dest="watchdog_grace_s", type=float, default=d.watchdog_grace_s,
+                        help="seconds a hung worker stays up (unhealthy) before it exits with code 1 to be restarted")
     parser.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes,
                         help="largest gRPC message, KV chunks included (default 4MiB)")
     parser.add_argument("--model-revision", default=None,
@@ -140,8 +161,11 @@ class WorkerBase:
         self.layout = KVLayout.of_engine(engine.engine, self.options.model_revision)
         plan_chunks(self.layout, 0, 1, 1, self.options.max_message_bytes)  # ValueError: one block must fit
         self.metrics = WorkerMetrics(engine)
+        self.stats_logger = StatsLogger(engine.stats, self.options.stats_interval_s, f"{self.role} engine")
+        self.watchdog = Watchdog(engine, WatchdogConfig(self.options.watchdog_timeout_s,
+                                                        grace_s=self.options.watchdog_grace_s), self.role)
         self.load = LoadServicer(self.role, engine, self.layout, self.active_handoffs, self.options.load_interval_s,
-                                 node=self.options.node_name)
+                                 node=self.options.node_name, healthy=lambda: self.watchdog.reason or None)
         self.server: grpc.aio.Server | None = None
         self._metrics_server = None
         self.port: int | None = None
@@ -154,6 +178,8 @@ class WorkerBase:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         await self.engine.start()
+        self.watchdog.start()
+        self.stats_logger.start()
         # Room for a full chunk plus gRPC framing.
         self.server = grpc.aio.server(options=server_options(self.options.max_message_bytes + 65536))
         self.add_services(self.server)
@@ -163,8 +189,15 @@ class WorkerBase:
             raise OSError(f"cannot listen on {host}:{port}")
         await self.server.start()
         if self.options.metrics_port is not None:
-            self._metrics_server = self.metrics.serve(self.options.metrics_port, host)
+            self._metrics_server = serve_health(self.options.metrics_port, host, self.metrics.registry,
+                                                alive=lambda: self.watchdog.reason or None,
+                                                ready=self._not_ready)
         return self.port
+
+    def _not_ready(self) -> str | None:
+        if self.watchdog.reason:
+            return self.watchdog.reason
+        return "draining" if self.load.draining else None
 
     async def stop(self, grace_s: float = 1.0) -> None:
         self.load.draining = True
@@ -172,6 +205,8 @@ class WorkerBase:
             await self.server.stop(grace_s)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+        await self.watchdog.stop()
+        await self.stats_logger.stop()
         await self.engine.shutdown()
 
 
@@ -198,6 +233,8 @@ async def serve_forever(worker_cls, args: argparse.Namespace) -> int:
     try:
         engine = make_engine(EngineArgs.from_cli(args), options)
         worker = worker_cls(engine, options)
+        hang = os.environ.get(HANG_AFTER_STEPS_ENV)
+        install_hang_hook(engine, int(hang) if hang else None)
     except (OSError, ValueError) as e:  # a message size that cannot carry a block, an arena that does not fit
         raise SystemExit(f"kvrelay {worker_cls.role}: {e}") from None
     port = await worker.start(args.host, args.port)
@@ -217,13 +254,22 @@ async def run_until_stopped(worker: WorkerBase, stop: asyncio.Event, grace_s: fl
     gateways drop it at once and retry its requests elsewhere, and Kubernetes restarts it."""
     stopped = asyncio.create_task(stop.wait())
     dead = asyncio.create_task(worker.engine.wait_dead())
-    await asyncio.wait((stopped, dead), return_when=asyncio.FIRST_COMPLETED)
+    hung = asyncio.create_task(worker.watchdog.expired.wait())
+    await asyncio.wait((stopped, dead, hung), return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if dead.done():
         log.error("kvrelay %s: the engine stopped after an error (%r); exiting so that the worker is restarted",
                   worker.role, dead.result())
         code, grace_s = 1, min(grace_s, 1.0)
-    for task in (stopped, dead):
+    elif hung.done():
+        code, grace_s = 1, min(grace_s, 1.0)
+    for task in (stopped, dead, hung):
         task.cancel()
+    if code and hung.done():
+        # The engine thread is stuck: engine.shutdown() would wait for it in vain. Stop serving, then go.
+        worker.load.draining = True
+        if worker.server is not None:
+            await worker.server.stop(grace_s)
+        os._exit(1)
     await worker.stop(grace_s=grace_s)
     return code

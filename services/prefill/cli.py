@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 
 from kvrelay.kvtransfer.worker_base import add_worker_args, serve_forever
+
+from kvrelay.log_format import setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,5 +17,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvrelay.prefill.worker import PrefillWorker
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     return asyncio.run(serve_forever(PrefillWorker, args))

@@ -78,6 +78,7 @@ class _Handoff:
     doorbell: DoorbellConn | None = None  # set: chunks and done go on the decode worker's doorbell
     ticket: bytes = b""  # the hand-off's name on the doorbell
     doorbell_error: Exception | None = None  # a ring failed (engine thread): the hand-off fails
+    client_request_id: str = ""  # the client's X-Request-Id, from the decode worker's call metadata
     direct: bool = False  # the decode worker copies the blocks out of this worker's shared cache
     remote: RemoteTarget | None = None  # set: chunks' bytes go into the decode worker's transfer-engine region
     cuda_ipc: kv_pb2.CudaIpcCache | None = None  # set: the decode worker copies held blocks over CUDA IPC
@@ -200,7 +201,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
         lease = Lease(lease_id=uuid.uuid4().hex, request_id=start.request_id, num_tokens=len(ids),
                       task=asyncio.current_task())
         h = _Handoff(lease, asyncio.Queue(), asyncio.get_running_loop(), num_blocks=num_blocks,
-                     max_message_bytes=max_msg, first_block=start.num_cached_blocks)
+                     max_message_bytes=max_msg, first_block=start.num_cached_blocks,
+                     client_request_id=dict(context.invocation_metadata() or ()).get("x-request-id", ""))
         if start.HasField("shm"):
             h.shm = self._open_shm(start.shm, h.num_blocks - h.first_block)
             if h.shm is not None and start.shm.doorbell:
@@ -424,6 +426,8 @@ class PrefillWorker(WorkerBase, prefill_pb2_grpc.PrefillServiceServicer):
             self.leases.remove(lease)
             self._handoffs.pop(lease.lease_id, None)
             self.metrics.kv_handoffs.labels(reason).inc()
+            log.info("hand-off of %s ended: %s (x-request-id %s, %d prompt tokens, %d bytes)", lease.request_id,
+                     reason, h.client_request_id or "-", lease.num_tokens, h.bytes_sent)
 
     async def _reap(self) -> None:
         while True:

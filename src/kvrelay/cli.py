@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
+import signal
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -30,19 +30,55 @@ COMMANDS: dict[str, tuple[str, str]] = {
 PLUGIN_COMMANDS = ("generate", "serve", "gateway", "prefill", "decode")
 
 
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Appends "(default: X)" to each option's help, unless the help already names its default or
+    there is none to show (None, False, an empty string)."""
+    for action in parser._actions:
+        text = action.help or ""
+        if (text == argparse.SUPPRESS or "default" in text or not action.option_strings
+                or action.default in (None, False, "", [], argparse.SUPPRESS)):
+            continue
+        action.help = f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    # SIGTERM takes the same clean way out as Ctrl+C: finally blocks run, no traceback (main()).
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl+C or SIGTERM before a role installed its own handlers
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
+    from kvrelay import __version__
+
     parser = argparse.ArgumentParser(prog="kvrelay", description="Kubernetes-native LLM inference")
+    parser.add_argument("--version", action="version", version=f"kvrelay {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
         modules[name] = module
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        module.add_arguments(command := sub.add_parser(name, help=help_text, description=help_text))
+        show_defaults(command)
     args = parser.parse_args(argv)
+    from kvrelay.preflight import StartupError, check
+
+    try:
+        check(args.command, args)
+    except StartupError as exc:
+        print(f"kvrelay {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     if args.command in PLUGIN_COMMANDS:
+        from kvrelay.log_format import setup_logging
         from kvrelay.plugins import PluginError, load_plugins
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup_logging(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
         try:
             load_plugins(getattr(args, "plugins", None))
         except PluginError as exc:

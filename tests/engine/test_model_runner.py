@@ -178,12 +178,18 @@ def test_gpu_memory_utilization_sizes_the_kv_cache():  # pragma: no cover
 def test_cli_flags_of_the_fast_path():
     import argparse
 
-    from kvrelay.engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
+    from kvrelay.engine.engine_args import EngineArgs, cpu_kv_cache_blocks
 
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     args = EngineArgs.from_cli(parser.parse_args(["--gpu-memory-utilization", "0.8", "--enforce-eager"]))
     assert args.gpu_memory_utilization == 0.8 and args.enforce_eager and args.kv_cache_memory is None
-    engine = make_engine(BUNDLED_MODEL)  # CPU without --kv-cache-memory: the CPU default
+    engine = make_engine(BUNDLED_MODEL)  # CPU without --kv-cache-memory: the CPU rule
     per_block = engine.kv_cache[:, :, 0].numel() * engine.kv_cache.element_size()
-    assert engine.pool.num_blocks == CPU_KV_CACHE_BYTES // per_block
+    per_seq = engine.max_model_len // 16
+    # The bundled model's 256 full-length sequences (~170 MB) fit in a tenth of this machine's memory.
+    assert engine.pool.num_blocks == 256 * per_seq
+    # The rule: all sequences if they fit in a tenth of the memory, else that tenth, at least one sequence.
+    assert cpu_kv_cache_blocks(per_block, 16, 8, 512, available=10**12) == 8 * 32
+    assert cpu_kv_cache_blocks(1000, 16, 256, 512, available=10**6) == 100
+    assert cpu_kv_cache_blocks(1000, 16, 256, 512, available=10**3) == 32

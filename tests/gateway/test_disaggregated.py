@@ -185,13 +185,14 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
-def test_serve_disaggregated_exits_when_a_local_worker_dies(own_tmp):
-    """Without its decode worker `serve --disaggregated` could only answer 503: it stops, with
-    exit code 1 and a log line naming the worker, and its prefill worker goes with it."""
+def test_serve_disaggregated_exits_when_a_local_worker_cannot_come_back(own_tmp):
+    """With no restarts left (here none allowed) `serve --disaggregated` could only answer 503: it stops,
+    with exit code 1 and a log line naming the worker, and its prefill worker goes with it."""
     import os
     import signal
 
-    gw = GatewayProcess(["--host", "127.0.0.1", "--disaggregated"], own_tmp / "serve.log")
+    gw = GatewayProcess(["--host", "127.0.0.1", "--disaggregated", "--max-worker-restarts", "0"],
+                        own_tmp / "serve.log")
     try:
         workers = _children(gw.proc.pid)
         (decode,) = [pid for pid, cmd in workers.items() if " decode " in cmd]

@@ -188,6 +188,18 @@ def test_names_too_long_for_child_services_are_invalid():
         check_name("a" * 56)
 
 
+def test_every_role_has_readiness_and_liveness_probes_on_its_health_endpoints():
+    objs = children({"model": {"uri": "/m"}})
+    for role in ("prefill", "decode"):
+        container = pod(objs, role)["containers"][0]
+        ports = {p["name"] for p in container["ports"]}
+        for probe, path in (("readinessProbe", "/ready"), ("livenessProbe", "/health"), ("startupProbe", "/health")):
+            assert container[probe]["httpGet"] == {"path": path, "port": "metrics"} and "metrics" in ports
+    gateway = pod(objs, "gateway")["containers"][0]
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/health"
+
+
 def test_parallelism_sets_the_worker_flags_and_one_gpu_per_rank():
     objs = children({"model": {"uri": "/m"}, "decode": {"parallelism": {"tensor": 2, "pipeline": 2}},
                      "prefill": {"parallelism": {"tensor": 2}, "resources": {"limits": {"cpu": "4"}}}})

@@ -44,10 +44,14 @@ class EngineProcess:
         self.args = args
 
     @classmethod
-    def start(cls, args: EngineArgs, log_level: str = "info") -> EngineProcess:
+    def start(cls, args: EngineArgs, log_level: str = "info", watchdog=None, log_format: str = "text") -> EngineProcess:
+        """watchdog: a kvrelay.kvtransfer.watchdog.WatchdogConfig for the step loop (None: its defaults)."""
         directory = Path(tempfile.mkdtemp(prefix="kvrelay-engine-"))  # mode 0700: only this user
         (directory / "args.pkl").write_bytes(pickle.dumps(args))
-        env = os.environ | {PARENT_PID_ENV: str(os.getpid()), "KVRELAY_LOG_LEVEL": log_level}
+        if watchdog is not None:
+            (directory / "watchdog.pkl").write_bytes(pickle.dumps(watchdog))
+        env = os.environ | {PARENT_PID_ENV: str(os.getpid()), "KVRELAY_LOG_LEVEL": log_level,
+                              "KVRELAY_LOG_FORMAT": log_format}
         proc = subprocess.Popen([sys.executable, "-m", "kvrelay.engine.core.process", str(directory)],
                                 stdout=subprocess.PIPE, text=True, env=env)
         for line in proc.stdout:
@@ -84,6 +88,7 @@ class EngineCoreClient:
         self._stats: EngineStats | None = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._dead: BaseException | None = None
+        self.unhealthy: str | None = None  # the engine process's watchdog finds its step loop hung: why
         self._reader: asyncio.Task | None = None
         self._ctx = zmq.asyncio.Context()
         self._inbox = self._ctx.socket(zmq.PULL)
@@ -177,6 +182,8 @@ class EngineCoreClient:
                 stream = self._streams.get(msg[1])
                 if stream is not None:
                     stream.put_nowait(msg[2])
+            elif kind == "health":
+                self.unhealthy = msg[1]
             elif kind == "fatal":
                 self._fail(EngineDeadError(msg[1]))
 

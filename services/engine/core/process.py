@@ -23,15 +23,19 @@ import zmq.asyncio
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.core.protocol import STATS_INTERVAL_S, EngineInfo, decode, encode, picklable_stats
 from kvrelay.engine.errors import EngineError
+from kvrelay.kvtransfer.watchdog import HANG_AFTER_STEPS_ENV, Watchdog, WatchdogConfig, install_hang_hook
 from kvrelay.kvtransfer.worker_base import _stop_with_parent
+
+from kvrelay.log_format import setup_logging
 
 log = logging.getLogger(__name__)
 READY_LINE = "kvrelay engine-core ready"
 
 
 class EngineCoreServer:
-    def __init__(self, engine: AsyncEngine, directory: Path):
+    def __init__(self, engine: AsyncEngine, directory: Path, watchdog: WatchdogConfig | None = None):
         self.engine = engine
+        self.watchdog = Watchdog(engine, watchdog, "serve engine")
         self.ctx = zmq.asyncio.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(f"ipc://{directory}/in")
@@ -54,13 +58,21 @@ class EngineCoreServer:
         stats = asyncio.create_task(self._send_stats())
         died = asyncio.create_task(self.engine.wait_dead())
         stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait([died, stopped, receiver], return_when=asyncio.FIRST_COMPLETED)
+        self.watchdog.start()
+        health = asyncio.create_task(self._send_health())
+        hung = asyncio.create_task(self.watchdog.expired.wait())
+        await asyncio.wait([died, stopped, receiver, hung], return_when=asyncio.FIRST_COMPLETED)
         code = 0
         if died.done():
             self.outbox.send(encode(("fatal", f"the engine stopped after an error: {died.result()!r}")))
             code = 1
-        for task in (receiver, stats, died, stopped, *self.tasks.values()):
+        for task in (receiver, stats, died, stopped, health, hung, *self.tasks.values()):
             task.cancel()
+        await self.watchdog.stop()
+        if hung.done():  # the engine thread is stuck: shutdown() would wait for it in vain
+            self.outbox.send(encode(("fatal", f"the engine's step loop hung: {self.watchdog.reason}")))
+            self.outbox.close()
+            os._exit(1)
         await self.engine.shutdown()
         self.outbox.close()
         self.inbox.close()
@@ -107,6 +119,15 @@ class EngineCoreServer:
             outs, self._pending = self._pending, []
             self.outbox.send(encode(("outs", outs)))
 
+    async def _send_health(self) -> None:
+        """The watchdog's verdict, sent on change: the API process answers /ready and /health from it."""
+        last = ""
+        while True:
+            if self.watchdog.reason != last:
+                last = self.watchdog.reason
+                self.outbox.send(encode(("health", last or None)))
+            await asyncio.sleep(self.watchdog.config.poll_s)
+
     async def _send_stats(self) -> None:
         last = None
         while True:
@@ -120,20 +141,23 @@ class EngineCoreServer:
 def main(argv: list[str] | None = None) -> int:
     directory = Path((argv or sys.argv[1:])[0])
     args = pickle.loads((directory / "args.pkl").read_bytes())  # written by our parent
-    level = os.environ.get("KVRELAY_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(os.environ.get("KVRELAY_LOG_LEVEL", "info"), os.environ.get("KVRELAY_LOG_FORMAT", "text"))
     _stop_with_parent()
     # Ctrl+C reaches the whole process group: the API process stops first and then stops this one,
     # so a request in flight still gets its error event, and serve's exit code is its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watchdog_file = directory / "watchdog.pkl"
+    watchdog = pickle.loads(watchdog_file.read_bytes()) if watchdog_file.exists() else None
     try:
         engine = AsyncEngine(args)
+        hang = os.environ.get(HANG_AFTER_STEPS_ENV)
+        install_hang_hook(engine, int(hang) if hang else None)
     except (OSError, ValueError, EngineError) as e:
         print(f"kvrelay serve: the engine could not start: {e}", file=sys.stderr, flush=True)
         return 2
 
     async def serve() -> int:
-        server = EngineCoreServer(engine, directory)
+        server = EngineCoreServer(engine, directory, watchdog)
         print(READY_LINE, flush=True)
         return await server.run()
 

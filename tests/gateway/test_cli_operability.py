@@ -1,0 +1,128 @@
+"""The command line as an operator meets it: one-line start-up errors, clean stops, --version, --help."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from gateway_helpers import GatewayProcess, WorkerProcess
+
+KVRELAY = [sys.executable, "-m", "kvrelay.cli"]
+
+
+def kvrelay(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVRELAY, *args], check=False, capture_output=True, text=True, timeout=timeout,
+                          env=env if env is not None else os.environ.copy())
+
+
+def test_version_and_help_with_defaults():
+    from kvrelay import __version__
+
+    out = kvrelay("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"kvrelay {__version__}"
+    out = kvrelay("serve", "--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    assert "--port PORT (default: 8000)" in text and "--host HOST address to listen on (default: 127.0.0.1)" in text
+    assert "--max-queue MAX_QUEUE requests waiting before 503 (default: 1024)" in text
+    assert "at most 10% of the memory available at start-up" in text  # the CPU KV cache rule
+
+
+@pytest.mark.parametrize("role", ["serve", "prefill", "decode", "gateway", "generate"])
+def test_a_model_path_that_is_no_folder_is_one_line_with_the_hub_hint(role):
+    extra = ["--port", "0"] if role in ("prefill", "decode") else []
+    extra += ["x"] if role == "generate" else []
+    if role == "gateway":
+        extra += ["--decode", "127.0.0.1:1"]
+    out = kvrelay(role, "--model", "meta-llama/Llama-3.2-1B", *extra)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert "meta-llama/Llama-3.2-1B: no such folder" in lines[0] and "download it first" in lines[0]
+
+
+def test_cuda_and_triton_without_cuda_are_one_line():
+    import torch
+
+    if torch.cuda.is_available():  # pragma: no cover
+        pytest.skip("this machine has CUDA")
+    out = kvrelay("decode", "--port", "0", "--device", "cuda")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--device cuda: no CUDA device" in out.stderr
+    out = kvrelay("serve", "--kernel-backend", "triton")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--kernel-backend triton needs" in out.stderr
+
+
+@pytest.mark.parametrize("role", ["serve", "decode"])
+def test_a_port_in_use_is_one_line_before_the_model_loads(role, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # A model folder that would fail to load: the port check must come first.
+        (tmp_path / "model").mkdir()
+        out = kvrelay(role, "--host", "127.0.0.1", "--port", str(port), "--model", str(tmp_path / "model"))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert f"--port {port}: address 127.0.0.1:{port} is already in use" in out.stderr
+
+
+def test_operator_without_kubeconfig_is_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    env["HOME"] = str(tmp_path)
+    out = kvrelay("operator", "--standalone", env=env)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "no Kubernetes credentials" in out.stderr
+    env["KUBECONFIG"] = str(tmp_path / "missing")
+    out = kvrelay("operator", "--standalone", env=env)
+    assert out.returncode == 2 and "missing: no such file" in out.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_stops_on_ctrl_c_and_sigterm_with_code_0_and_no_traceback(sig, tmp_path):
+    import httpx
+
+    server = GatewayProcess([], tmp_path / "serve.log")
+    try:
+        body = {"model": "stories260K", "prompt": "Once upon a time there was a girl named Lily. " * 4,
+                "max_tokens": 2}
+        for _ in range(2):  # the second request hits the prefix cache
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+
+        def metrics() -> dict[str, float]:
+            return {line.split()[0]: float(line.split()[1])
+                    for line in httpx.get(server.url + "/metrics").text.splitlines() if line.startswith("kvrelay:")}
+
+        deadline = time.monotonic() + 10  # the engine process reports its stats every few hundred ms
+        while metrics().get("kvrelay:prefix_cache_hits_total", 0) < 16:
+            assert time.monotonic() < deadline, metrics()
+            time.sleep(0.1)
+        assert metrics()["kvrelay:num_preemptions_total"] == 0
+        server.proc.send_signal(sig)
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+    log = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+
+
+def test_serve_stopped_while_loading_exits_0_without_traceback():
+    proc = subprocess.Popen([*KVRELAY, "serve", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(1.5)  # inside imports or the model load
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_worker_stops_on_ctrl_c_and_sigterm_with_code_0(sig):
+    worker = WorkerProcess("decode")
+    worker.proc.send_signal(sig)
+    assert worker.proc.wait(30) == 0
+    worker.stderr.seek(0)
+    assert "Traceback" not in worker.stderr.read()
+    worker.stop()
