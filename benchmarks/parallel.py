@@ -1,21 +1,25 @@
 """Tensor and pipeline parallelism on CPU: decode step time, communication per step and tokens/s
-at TP 1 and 2, PP 1 and 2, against one process measured in the same run.
+at TP 1 and 2, PP 1 and 2 (with overlapping stages, and without: suffix "s"), against one process
+measured in the same run.
 
-    .venv/bin/python benchmarks/parallel.py [--batch 32] [--prompt 64] [--tokens 64] [--configs 1x1,2x1,1x2]
-                                            [--repeats 3] [--threads 1]
+    .venv/bin/python benchmarks/parallel.py [--batch 32] [--prompt 64] [--tokens 64]
+                                            [--configs 1x1,2x1,1x2s,1x2] [--repeats 3] [--threads 1]
 
-The ~30M-parameter dummy Llama (benchmarks/common.py), fp32, --batch requests of --prompt random
-token ids, each generating --tokens tokens (EOS ignored). Step time is the median wall time of
-the driver's decode-only steps (the batch full); communication is what TP rank 0 of the last
-stage measured per step (all-reduce of the row-parallel outputs and the embedding, all-gather of
-the vocabulary-parallel logits, send/recv of hidden states between stages, the latter including
-the wait for the previous stage). Tokens/s is over the whole run, prefill included.
+The ~30M-parameter dummy Llama (benchmarks/common.py; --vocab and --layers change it), fp32, --batch
+requests of --prompt random token ids, each generating --tokens tokens (EOS ignored). Step time is the
+driver's wall time per decode token of every sequence while the batch is full (decode-only): with
+overlapping stages one engine step samples one group (half the batch at PP=2), so it is the phase's
+time x batch / tokens; "in flight" is the most steps the executor held submitted and uncollected at
+once. Communication is what TP rank 0 of the last stage measured per engine step (all-reduce of the
+row-parallel outputs and the embedding, all-gather of the vocabulary-parallel logits, send/recv of
+hidden states between stages, the latter including the wait for the previous stage). Tokens/s is
+over the whole run, prefill included. The LM head runs on the last stage: with the default vocabulary
+of 32000 (16M weights) it outweighs four layers (13M), so PP=2 is unbalanced; --vocab 2048 balances it.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -25,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import LLAMA_30M, make_model_dir, workload
 
 
-def run(model_dir: str, tp: int, pp: int, batch: int, prompt: int, tokens: int, threads: int) -> dict:
+def run(model_dir: str, tp: int, pp: int, overlap: bool, batch: int, prompt: int, tokens: int, threads: int,
+        vocab: int) -> dict:
     import torch
     from kvrelay.engine.engine_args import EngineArgs
     from kvrelay.engine.llm_engine import LLMEngine
@@ -33,13 +38,14 @@ def run(model_dir: str, tp: int, pp: int, batch: int, prompt: int, tokens: int, 
 
     torch.set_num_threads(threads)  # one process: its intra-op threads; several: each worker gets cores / N
     engine = LLMEngine(EngineArgs(model=model_dir, load_format="dummy", kv_cache_memory=256 * 2**20,
-                                  tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_seqs=batch))
+                                  tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_seqs=batch,
+                                  pipeline_overlap=overlap))
     try:
-        reqs = workload(batch, (prompt, prompt), (tokens, tokens), LLAMA_30M["vocab_size"])
+        reqs = workload(batch, (prompt, prompt), (tokens, tokens), vocab)
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         for i, (ids, _) in enumerate(reqs):
             engine.add_request(ids, params, str(i))
-        decode_steps, generated = [], 0
+        decode_s, decode_tokens, generated = 0.0, 0, 0
         comm_before = None
         started = time.perf_counter()
         while engine.has_work():
@@ -49,9 +55,11 @@ def run(model_dir: str, tp: int, pp: int, batch: int, prompt: int, tokens: int, 
                 comm_before = (s.steps, dict(s.comm_s), dict(s.comm_bytes))
             t = time.perf_counter()
             outs = engine.step()
-            if full_decode and all(len(o.new_token_ids) == 1 for o in outs) and len(outs) == batch:
-                decode_steps.append(time.perf_counter() - t)
-            generated += sum(len(o.new_token_ids) for o in outs)
+            new = sum(len(o.new_token_ids) for o in outs)
+            if full_decode and all(len(o.new_token_ids) == 1 for o in outs):
+                decode_s += time.perf_counter() - t
+                decode_tokens += new
+            generated += new
         elapsed = time.perf_counter() - started
         comm = {}
         if engine.executor is not None and comm_before is not None:
@@ -60,8 +68,9 @@ def run(model_dir: str, tp: int, pp: int, batch: int, prompt: int, tokens: int, 
             for kind in s.comm_s:
                 comm[kind] = ((s.comm_s[kind] - comm_before[1].get(kind, 0.0)) / n * 1e3,
                               (s.comm_bytes[kind] - comm_before[2].get(kind, 0)) / n / 2**10)
-        return {"step_ms": statistics.median(decode_steps) * 1e3, "tok_s": generated / elapsed, "comm": comm,
-                "steps": len(decode_steps)}
+        in_flight = engine.executor.max_in_flight if engine.executor is not None else 0
+        return {"step_ms": decode_s / max(1, decode_tokens) * batch * 1e3, "tok_s": generated / elapsed,
+                "comm": comm, "in_flight": in_flight}
     finally:
         engine.close()
 
@@ -71,30 +80,47 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--configs", default="1x1,2x1,1x2", help="TPxPP pairs, the first one the baseline")
+    ap.add_argument("--configs", default="1x1,2x1,1x2s,1x2",
+                    help="TPxPP pairs, the first one the baseline; suffix s: PP without overlapping stages")
+    ap.add_argument("--vocab", type=int, default=LLAMA_30M["vocab_size"],
+                    help="vocabulary size (the LM head runs on the last stage: a smaller one balances PP's stages)")
+    ap.add_argument("--layers", type=int, default=LLAMA_30M["num_hidden_layers"])
     ap.add_argument("--repeats", type=int, default=3, help="runs per config (the median run is shown)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the single process (workers get cores / world size each)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(make_model_dir(Path(tmp) / "llama30m", LLAMA_30M, with_weights=False))
-        pairs = [tuple(int(x) for x in pair.split("x")) for pair in args.configs.split(",")]
-        runs: dict[tuple[int, int], list[dict]] = {p: [] for p in pairs}
+        config = LLAMA_30M | {"vocab_size": args.vocab, "num_hidden_layers": args.layers}
+        model = str(make_model_dir(Path(tmp) / "llama", config, with_weights=False))
+        pairs = []
+        for pair in args.configs.split(","):
+            tp, pp = pair.removesuffix("s").split("x")
+            pairs.append((int(tp), int(pp), not pair.endswith("s")))
+        runs: dict[tuple[int, int, bool], list[dict]] = {p: [] for p in pairs}
         for _ in range(args.repeats):  # interleaved: load from other processes hits every config alike
-            for tp, pp in pairs:
-                runs[(tp, pp)].append(run(model, tp, pp, args.batch, args.prompt, args.tokens, args.threads))
+            for tp, pp, overlap in pairs:
+                runs[(tp, pp, overlap)].append(run(model, tp, pp, overlap, args.batch, args.prompt, args.tokens,
+                                                   args.threads, args.vocab))
         results = []
-        for tp, pp in pairs:  # the run of median step time, per config
-            rs = sorted(runs[(tp, pp)], key=lambda r: r["step_ms"])
-            results.append((tp, pp, rs[len(rs) // 2]))
-        base = results[0][2]
-        print(f"batch {args.batch}, prompt {args.prompt}, {args.tokens} tokens each; ~30M dummy Llama fp32, CPU; "
+        for key in pairs:  # the run of median step time, per config
+            rs = sorted(runs[key], key=lambda r: r["step_ms"])
+            results.append((*key, rs[len(rs) // 2]))
+        base = results[0][3]
+        print(f"batch {args.batch}, prompt {args.prompt}, {args.tokens} tokens each; dummy Llama ({args.layers} layers, vocab {args.vocab}) fp32, CPU; "
               f"median of {args.repeats} runs")
-        print(f"{'TP':>3} {'PP':>3} {'step ms':>8} {'x base':>7} {'tok/s':>8} {'x base':>7}  communication per step")
-        for tp, pp, r in results:
+        print(f"{'TP':>3} {'PP':>3} {'overlap':>7} {'in flight':>9} {'step ms':>8} {'x base':>7} {'tok/s':>8} "
+              f"{'x base':>7}  communication per step")
+        for tp, pp, overlap, r in results:
             comm = ", ".join(f"{k} {ms:.2f} ms / {kib:.0f} KiB" for k, (ms, kib) in sorted(r["comm"].items()))
-            print(f"{tp:>3} {pp:>3} {r['step_ms']:>8.2f} {r['step_ms'] / base['step_ms']:>7.2f} {r['tok_s']:>8.1f} "
+            flag = "yes" if overlap and pp > 1 else "no" if pp > 1 else "-"
+            print(f"{tp:>3} {pp:>3} {flag:>7} {r['in_flight']:>9} {r['step_ms']:>8.2f} {r['step_ms'] / base['step_ms']:>7.2f} {r['tok_s']:>8.1f} "
                   f"{r['tok_s'] / base['tok_s']:>7.2f}  {comm or '-'}")
+        by_key = {(tp, pp, overlap): r for tp, pp, overlap, r in results}
+        for (tp, pp, overlap), r in by_key.items():
+            sync = by_key.get((tp, pp, False))
+            if overlap and pp > 1 and sync is not None:
+                print(f"{tp}x{pp} overlapping vs not: step x{r['step_ms'] / sync['step_ms']:.2f}, "
+                      f"tok/s x{r['tok_s'] / sync['tok_s']:.2f}")
 
 
 if __name__ == "__main__":

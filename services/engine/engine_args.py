@@ -79,6 +79,9 @@ class EngineArgs:
     dummy_seed: int = 0  # random weights of --load-format dummy
     tensor_parallel_size: int = 1  # worker processes splitting each layer (kvrelay.engine.parallel)
     pipeline_parallel_size: int = 1  # worker processes holding contiguous layer stages
+    # PP > 1: as many steps in flight as stages, so the stages overlap. None: on CUDA only (on a few
+    # shared CPU cores the stages have no cores of their own to overlap on; docs/benchmarks.md).
+    pipeline_overlap: bool | None = None
     enable_expert_parallel: bool = False  # MoE: the tensor-parallel ranks hold disjoint experts
     plugins: str | None = None  # "a,b": load only these plugins (default: $KVRELAY_PLUGINS, else all)
 
@@ -164,6 +167,11 @@ class EngineArgs:
         parser.add_argument(
             "--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
             help="split the layers into this many contiguous stages, each on its own tensor-parallel group",
+        )
+        parser.add_argument(
+            "--pipeline-overlap", action=argparse.BooleanOptionalAction, default=d.pipeline_overlap,
+            help="pipeline parallel: as many steps in flight as stages, so the stages overlap (default: on CUDA "
+            "only); --no-pipeline-overlap: one step at a time, the stages take turns",
         )
         parser.add_argument(
             "--enable-expert-parallel", action="store_true",

@@ -189,6 +189,14 @@ class LLMEngine(HandoffMixin):
             if draft is not None:
                 draft.allocate(num_blocks, bs, args.max_num_seqs, args.max_num_batched_tokens, use_graphs)
             self.speculator = Speculator(spec, self.scheduler, args.max_num_batched_tokens, draft)
+        self.pipeline = None  # several steps in flight so pipeline stages overlap
+        overlap = args.pipeline_overlap
+        if self.executor is not None and overlap is None:
+            overlap = self.executor.spec.device_type == "cuda"  # each stage on its own GPU
+        if self.executor is not None and args.pipeline_parallel_size > 1 and overlap and spec is None:
+            from kvrelay.engine.parallel.pipeline import PipelineOverlap
+
+            self.pipeline = PipelineOverlap(self, args.pipeline_parallel_size)
         self.eos_ids = _as_id_set(self.generation_config.get("eos_token_id"))
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -363,7 +371,8 @@ class LLMEngine(HandoffMixin):
     def has_work(self) -> bool:
         # A dead parallel worker is work: the next step raises, so the engine fails at once.
         failed = self.executor is not None and self.executor.failed is not None
-        return self.scheduler.has_work() or bool(self._deferred) or failed
+        in_flight = self.pipeline is not None and bool(self.pipeline.in_flight)
+        return self.scheduler.has_work() or bool(self._deferred) or failed or in_flight
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -394,6 +403,8 @@ class LLMEngine(HandoffMixin):
     def step(self) -> list[RequestOutput]:
         if self.executor is not None:
             self.executor.check()
+        if self.pipeline is not None:  # --pipeline-parallel-size > 1: overlapping stages
+            return self.pipeline.step()
         step = self.scheduler.schedule()
         if not step.seqs:
             return self._flush_deferred()
@@ -414,6 +425,9 @@ class LLMEngine(HandoffMixin):
         logits, sample_idx, rows = self.runner.execute(step.seqs, step.num_new, frozenset(proposals), scoring)
         if scoring:
             record_prompt_logprobs(step.seqs, self.runner.prompt_logits)
+        return self._after_forward(step, proposals, logits, sample_idx, rows)
+
+    def _after_forward(self, step, proposals: dict, logits, sample_idx, rows) -> list[RequestOutput]:
         if proposals:
             self.speculator.withdraw(step, proposals)
         # On CUDA the forward is still running: turn the last step's tokens into text meanwhile.

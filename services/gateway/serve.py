@@ -265,6 +265,8 @@ def start_worker(role: str, args: argparse.Namespace, port: int = 0) -> subproce
         cmd += ["--served-model-name", args.served_model_name]
     cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size),
             "--pipeline-parallel-size", str(args.pipeline_parallel_size)]
+    if getattr(args, "pipeline_overlap", None) is not None:
+        cmd += ["--pipeline-overlap" if args.pipeline_overlap else "--no-pipeline-overlap"]
     if role == "decode":
         cmd += ["--kv-shm-bytes", str(args.kv_shm_bytes)]
     elif args.kv_shared_cache and args.kv_shm_bytes:

@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
@@ -90,6 +91,11 @@ class MultiprocExecutor:
         # writes of a decode hand-off (gather/scatter) on others.
         self._lock = threading.Lock()
         self.stats = StepStats()  # the last stage's TP rank 0: step and communication time
+        # Overlapping pipeline stages (pipeline.py): steps submitted and not yet collected, the most
+        # at once, and logits that arrived while another thread waited for a hand-off's reply.
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._early_logits: deque = deque()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.spec = WorkerSpec(
             **spec_args, tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
@@ -134,6 +140,28 @@ class MultiprocExecutor:
             self.check()
             self._broadcast(("step", batch_to_wire(batch)))
             logits, step_s, comm = self._recv(self.world_size - self.tp, "logits", None)
+        self.stats.add(step_s, comm)
+        return torch.from_numpy(logits)
+
+    def submit(self, batch) -> None:
+        """Send one step to every worker without waiting for its logits (collect() returns them, in
+        submission order): the first stage starts the next step while later stages run this one."""
+        with self._lock:
+            self.check()
+            self._broadcast(("step", batch_to_wire(batch)))
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def collect(self) -> torch.Tensor:
+        """The fp32 logits of the oldest submitted step."""
+        with self._lock:
+            if self.in_flight == 0:
+                raise RuntimeError("collect() without a submitted step")
+            if self._early_logits:
+                logits, step_s, comm = self._early_logits.popleft()
+            else:
+                logits, step_s, comm = self._recv(self.world_size - self.tp, "logits", None)
+            self.in_flight -= 1
         self.stats.add(step_s, comm)
         return torch.from_numpy(logits)
 
@@ -190,6 +218,9 @@ class MultiprocExecutor:
                     self._fail(self._death_message(rank))
                 if got == "error":
                     self._fail(f"parallel worker rank {rank} failed:\n{payload.rstrip()}")
+                if got == "logits" != kind and len(self._early_logits) < self.in_flight:
+                    self._early_logits.append(payload)  # a submitted step's, ahead of a hand-off's reply
+                    continue
                 if got != kind:
                     self._fail(f"parallel worker rank {rank}: expected {kind!r}, got {got!r}")
                 return payload

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -117,6 +118,29 @@ def _groups(tp: int, pp: int, rank: int) -> tuple[dist.ProcessGroup | None, dist
     return tp_group, pp_group
 
 
+def _inbox(conn):
+    """A recv_bytes that reads from a queue a daemon thread fills from conn (EOF raised in order)."""
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        while True:
+            try:
+                inbox.put(conn.recv_bytes())
+            except (EOFError, OSError):
+                inbox.put(None)  # the driver closed the pipe
+                return
+
+    threading.Thread(target=read, name="kvrelay-worker-inbox", daemon=True).start()
+
+    def receive() -> bytes:
+        item = inbox.get()
+        if item is None:
+            raise EOFError
+        return item
+
+    return receive
+
+
 def worker_main(rank: int, spec: WorkerSpec, conn, from_main_thread: bool = True) -> None:
     _die_with_parent(from_main_thread)
     try:
@@ -186,8 +210,11 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
     heads = kv_head_range(spec.config.num_kv_heads, tp, state.tp_rank)
     # Of the ranks replicating a KV head, the first one sends it in a hand-off.
     owns_heads = spec.config.num_kv_heads >= tp or state.tp_rank % (tp // spec.config.num_kv_heads) == 0
+    # Overlapping stages: the driver sends the next step while the last stage may be writing a large
+    # reply; a reader thread keeps taking steps off the pipe, so neither side blocks on a full one.
+    receive = _inbox(conn) if pp > 1 else conn.recv_bytes
     while True:
-        kind, payload = decode(conn.recv_bytes())
+        kind, payload = decode(receive())
         if kind == "close":
             break
         if kind in ("gather", "scatter"):  # P/D hand-off: this rank's heads of its stage's layers
