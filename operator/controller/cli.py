@@ -34,10 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.namespace and not args.standalone:
-        # kopf elects per namespace with namespaced KopfPeering objects, which the chart does not ship.
-        raise SystemExit("kvrelay operator: leader election is cluster-wide only; "
-                         "with --namespace add --standalone (and run a single replica)")
+    # --namespace without --standalone is refused by preflight.check, before this runs.
     import kopf
     import kvrelay.operator.handlers  # noqa: F401  (registers the handlers)
 

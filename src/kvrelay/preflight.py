@@ -95,4 +95,9 @@ def check(command: str, args: argparse.Namespace) -> None:
     if command in ("generate", "serve", "prefill", "decode"):
         check_device(args.device, args.kernel_backend)
     if command == "operator":
+        # Usage errors first: they hold whatever cluster the operator would reach.
+        if args.namespace and not args.standalone:
+            # kopf elects per namespace with namespaced KopfPeering objects, which the chart does not ship.
+            raise StartupError("leader election is cluster-wide only; "
+                               "with --namespace add --standalone (and run a single replica)")
         check_kubeconfig()
