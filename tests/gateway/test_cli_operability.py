@@ -114,7 +114,13 @@ def test_serve_stopped_while_loading_exits_0_without_traceback():
                             text=True)
     time.sleep(1.5)  # inside imports or the model load
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    try:
+        # Generous: the stop waits for the engine process, which on a loaded machine may still be importing.
+        _, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"serve did not stop within 90 s of Ctrl+C:\n{err[-3000:]}") from None
     assert proc.returncode == 0 and "Traceback" not in err, err
 
 

@@ -87,6 +87,9 @@ class MultiprocExecutor:
         self.world_size = self.tp * self.pp
         self.failed: str | None = None
         self._closing = False
+        # The watcher thread and the stepping thread both notice a death; waitpid from both at once
+        # leaves the loser without the exit code (ECHILD), so they take turns.
+        self._reaping = threading.Lock()
         # One conversation with the workers at a time: steps run on the engine thread, K/V
         # writes of a decode hand-off (gather/scatter) on others.
         self._lock = threading.Lock()
@@ -231,8 +234,14 @@ class MultiprocExecutor:
                 self._fail(f"parallel worker rank {rank} sent no {kind!r} within {timeout:.0f}s")
 
     def _death_message(self, rank: int) -> str:
+        with self._reaping:
+            return self._reap(rank)
+
+    def _reap(self, rank: int) -> str:
         proc = self.procs[rank]
-        proc.join(timeout=1.0)
+        # Its pipe closes before the kernel has reaped it; a killed process that frees gigabytes on a
+        # loaded machine can take seconds, and the exit code is what tells kill -9 from a crash.
+        proc.join(timeout=15.0)
         # A worker that failed with an exception sent its traceback before exiting.
         conn = self.conns[rank]
         try:
@@ -242,8 +251,10 @@ class MultiprocExecutor:
                     return f"parallel worker rank {rank} (pid {proc.pid}) failed:\n{payload.rstrip()}"
         except (EOFError, OSError):
             pass
+        how = ("closed its pipe but is still running" if proc.exitcode is None
+               else f"died with exit code {proc.exitcode}")
         return (f"parallel worker rank {rank} (pid {proc.pid}, tp rank {rank % self.tp}, pp rank "
-                f"{rank // self.tp}) died with exit code {proc.exitcode}; the engine cannot continue")
+                f"{rank // self.tp}) {how}; the engine cannot continue")
 
     def _fail(self, message: str):
         if self.failed is None:
