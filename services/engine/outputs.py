@@ -71,6 +71,9 @@ class EngineStats:
     parallel_step_seconds: float = 0.0
     parallel_comm_seconds: dict[str, float] = field(default_factory=dict)  # all_reduce, all_gather, send_recv
     parallel_comm_bytes: dict[str, int] = field(default_factory=dict)
+    # Every rank's forward times and the per-step skew (parallel/rank_metrics.py: RankTimes, Histo).
+    parallel_ranks: list[Any] = field(default_factory=list)
+    parallel_skew: Any = None
     # Mixture-of-experts models: a callable returning kvrelay.engine.moe_layer.ExpertLoad, read at
     # scrape time only (on GPU it copies the device counters back). None for a dense model.
     expert_load: Callable[[], Any] | None = None

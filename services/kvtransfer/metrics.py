@@ -7,6 +7,7 @@ are observed by the worker code.
 
 from __future__ import annotations
 
+from kvrelay.engine.parallel.rank_metrics import rank_metrics
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -59,6 +60,7 @@ def parallel_metrics(s):
         nbytes.add_metric([kind], s.parallel_comm_bytes.get(kind, 0))
     yield seconds
     yield nbytes
+    yield from rank_metrics(s)  # every rank's forward time
 
 
 def expert_load_metrics(s):

@@ -3,7 +3,8 @@
 Started by the executor (torch.multiprocessing spawn). It joins the process group, loads its
 slices of the checkpoint, and then runs every step the driver broadcasts: the first stage embeds,
 each stage runs its layers and sends (hidden, residual) to the same TP rank of the next stage,
-and TP rank 0 of the last stage returns the logits. It never schedules: the driver decides.
+and TP rank 0 of the last stage returns the logits. Every rank replies to every step with its own
+forward time. It never schedules: the driver decides.
 
 Messages on the pipe are pickled tuples of numpy arrays and ints (never torch tensors, whose
 pickling would move the driver's staging buffers into shared memory).
@@ -230,6 +231,8 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
             conn.send_bytes(encode((kind, rank, reply)))
             continue
         started = time.perf_counter()
+        waited = 0.0  # for the previous stage's hidden states: not this rank's forward time
+        logits = None
         batch = batch_from_wire(payload, device)
         with torch.inference_mode():
             if state.is_first_stage:
@@ -241,6 +244,7 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
                 t = time.perf_counter()  # includes waiting for the previous stage's layers
                 dist.recv(hidden, src=prev)
                 dist.recv(residual, src=prev)
+                waited = time.perf_counter() - t
                 COMM.add("send_recv", hidden, t, count=2)
             hidden, residual = model.run_layers(batch, kv_cache, hidden, residual)
             if not state.is_last_stage:
@@ -248,9 +252,17 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
                 dist.send(hidden.contiguous(), dst=nxt)
                 dist.send(residual.contiguous(), dst=nxt)
                 COMM.add("send_recv", hidden, t, count=2)
-                continue
-            logits = model.compute_logits(batch, hidden, residual)
+            else:
+                logits = model.compute_logits(batch, hidden, residual)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the forward time is the GPU's, not the launches'
+        elapsed = time.perf_counter() - started
+        # Every rank replies to every step with its forward time (kvrelay:parallel_rank_forward_seconds);
+        # TP rank 0 of the last stage adds the logits, its step time and its communication.
         if replies:
-            elapsed = time.perf_counter() - started
-            conn.send_bytes(encode(("logits", rank, (logits.cpu().numpy(), elapsed, COMM.take()))))
+            reply = (logits.cpu().numpy(), elapsed, COMM.take(), elapsed - waited)
+        else:
+            COMM.take()
+            reply = (None, elapsed, None, elapsed - waited)
+        conn.send_bytes(encode(("logits", rank, reply)))
     dist.destroy_process_group()

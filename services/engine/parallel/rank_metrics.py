@@ -1,0 +1,90 @@
+"""Per-rank forward times of the tensor/pipeline-parallel workers, and the skew between ranks.
+
+Every rank measures its own forward of each step (its layers and its collectives, not the time it
+waits for the previous pipeline stage's hidden states) and sends it with its step reply; the driver
+keeps one histogram per rank and one of the per-step skew (slowest rank minus fastest), exported as
+`kvrelay:parallel_rank_forward_seconds{rank,tp_rank,pp_rank}` and `kvrelay:parallel_rank_skew_seconds`.
+A rank that is always the slowest points at a straggling GPU, host or link.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from prometheus_client.core import HistogramMetricFamily
+
+FORWARD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Histo:
+    """Counts per bucket (upper bounds FORWARD_BUCKETS, then +Inf), their sum and count."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(FORWARD_BUCKETS) + 1))
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(FORWARD_BUCKETS, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """Cumulative (le, count) pairs, as Prometheus histograms have them."""
+        out, running = [], 0
+        for bound, n in zip((*map(str, FORWARD_BUCKETS), "+Inf"), self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+    def copy(self) -> Histo:
+        return Histo(list(self.counts), self.total, self.count)
+
+
+@dataclass
+class RankTimes:
+    """One rank's forward times."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    forward: Histo = field(default_factory=Histo)
+
+    def copy(self) -> RankTimes:
+        return RankTimes(self.rank, self.tp_rank, self.pp_rank, self.forward.copy())
+
+
+class RankStats:
+    """The driver's record of every rank's forward times (see the module doc)."""
+
+    def __init__(self, tp: int, pp: int):
+        self.ranks = [RankTimes(r, r % tp, r // tp) for r in range(tp * pp)]
+        self.skew = Histo()
+
+    def add_step(self, forward_s: list[float]) -> None:
+        """One step's forward seconds, indexed by rank."""
+        for times, sec in zip(self.ranks, forward_s, strict=True):
+            times.forward.observe(sec)
+        self.skew.observe(max(forward_s) - min(forward_s))
+
+    def snapshot(self) -> dict:
+        return {"parallel_ranks": [r.copy() for r in self.ranks], "parallel_skew": self.skew.copy()}
+
+
+def rank_metrics(s):
+    """Prometheus families from EngineStats' parallel_ranks and parallel_skew (nothing in one process)."""
+    ranks = getattr(s, "parallel_ranks", None)
+    if not ranks:
+        return
+    forward = HistogramMetricFamily(
+        "kvrelay:parallel_rank_forward_seconds",
+        "Each tensor/pipeline-parallel rank's forward time per step (its layers and collectives, not its "
+        "wait for the previous stage).", labels=["rank", "tp_rank", "pp_rank"])
+    for r in ranks:
+        forward.add_metric([str(r.rank), str(r.tp_rank), str(r.pp_rank)], r.forward.buckets(), r.forward.total)
+    yield forward
+    skew = HistogramMetricFamily("kvrelay:parallel_rank_skew_seconds",
+                                 "Per step: the slowest rank's forward time minus the fastest's.")
+    skew.add_metric([], s.parallel_skew.buckets(), s.parallel_skew.total)
+    yield skew
