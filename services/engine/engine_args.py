@@ -83,6 +83,11 @@ class EngineArgs:
     # shared CPU cores the stages have no cores of their own to overlap on; docs/benchmarks.md).
     pipeline_overlap: bool | None = None
     enable_expert_parallel: bool = False  # MoE: the tensor-parallel ranks hold disjoint experts
+    # Ranks on several nodes (parallel/multinode.py): this engine is node 0 of nnodes; the others run
+    # `kvrelay parallel-worker`. dist_init_addr: HOST:PORT, the rendezvous (control at PORT+1).
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     plugins: str | None = None  # "a,b": load only these plugins (default: $KVRELAY_PLUGINS, else all)
 
     @staticmethod
@@ -173,6 +178,7 @@ class EngineArgs:
             help="pipeline parallel: as many steps in flight as stages, so the stages overlap (default: on CUDA "
             "only); --no-pipeline-overlap: one step at a time, the stages take turns",
         )
+        add_multinode_args(parser)
         parser.add_argument(
             "--enable-expert-parallel", action="store_true",
             help="mixture-of-experts models: each tensor-parallel rank holds num_experts / size experts (and "
@@ -187,3 +193,18 @@ class EngineArgs:
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)})
+
+
+def add_multinode_args(parser: argparse.ArgumentParser) -> None:
+    """SGLang's multi-node flags (the engine's and `kvrelay parallel-worker`'s)."""
+    parser.add_argument(
+        "--nnodes", type=int, default=1,
+        help="spread the tensor x pipeline ranks over this many nodes, evenly; the engine is node 0 and every "
+        "other node runs `kvrelay parallel-worker` (all with the same $KVRELAY_PARALLEL_TOKEN)",
+    )
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, --nnodes)")
+    parser.add_argument(
+        "--dist-init-addr", default=None,
+        help="HOST:PORT of node 0 (the engine) with --nnodes > 1: torch.distributed rendezvous there, the "
+        "nodes' control connections on PORT+1",
+    )

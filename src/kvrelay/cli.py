@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("kvrelay.prefill.cli", "prefill worker: computes prompts' KV cache and hands it to decode workers"),
     "decode": ("kvrelay.decode.cli", "decode worker: pulls prefilled KV blocks over gRPC and generates tokens"),
     "tenants": ("kvrelay.gateway.tenants_cli", "manage a gateway tenants file: `tenants add NAME` makes a new API key"),
+    "parallel-worker": ("kvrelay.engine.parallel.cli_worker",
+                        "host a node's tensor/pipeline-parallel ranks for an engine on node 0 (--nnodes > 1)"),
     "operator": ("kvrelay.operator.cli", "run the Kubernetes operator for InferenceService resources"),
     "bench": ("kvrelay.bench.cli", "benchmark any OpenAI-compatible server, or the engine offline"),
     "env": ("kvrelay.env_info", "print versions, CUDA, CPU flags, native kernels and plugins (for bug reports)"),

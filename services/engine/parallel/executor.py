@@ -29,6 +29,8 @@ import torch
 import torch.multiprocessing as mp
 from kvrelay.engine.errors import EngineError
 from kvrelay.engine.parallel.layers import check_parallel
+from kvrelay.engine.parallel.multinode import Leader, NodeLayout, join_timeout, parse_layout, token_from_env
+from kvrelay.engine.parallel.rank_metrics import RankStats
 from kvrelay.engine.parallel.worker import (
     WorkerSpec,
     batch_to_wire,
@@ -42,6 +44,7 @@ from kvrelay.engine.parallel.worker import (
 log = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 600.0  # the workers' start-up: model loading and, on CUDA, the memory plan
+ERROR_GRACE_S = 1.0  # after a rank's error, how long to look for a peer's death that caused it
 
 
 class WorkerDiedError(EngineError):
@@ -57,10 +60,12 @@ class StepStats:
     step_s: float = 0.0
     comm_s: dict[str, float] = field(default_factory=dict)
     comm_bytes: dict[str, int] = field(default_factory=dict)
+    ranks: RankStats | None = None  # every rank's forward time (rank_metrics.py)
 
     def as_engine_stats(self) -> dict:
         return {"parallel_steps": self.steps, "parallel_step_seconds": self.step_s,
-                "parallel_comm_seconds": dict(self.comm_s), "parallel_comm_bytes": dict(self.comm_bytes)}
+                "parallel_comm_seconds": dict(self.comm_s), "parallel_comm_bytes": dict(self.comm_bytes),
+                **(self.ranks.snapshot() if self.ranks is not None else {})}
 
     def add(self, step_s: float, comm: dict[str, tuple[float, int]]) -> None:
         self.steps += 1
@@ -79,8 +84,10 @@ def _free_port() -> int:
 class MultiprocExecutor:
     layer_hook = None  # no per-layer hooks across processes (the ModelRunner reads this)
 
-    def __init__(self, spec_args: dict, tensor_parallel_size: int, pipeline_parallel_size: int):
-        """spec_args: WorkerSpec's fields except the parallel sizes, rendezvous and threads."""
+    def __init__(self, spec_args: dict, tensor_parallel_size: int, pipeline_parallel_size: int,
+                 layout: NodeLayout | None = None):
+        """spec_args: WorkerSpec's fields except the parallel sizes, rendezvous and threads. layout:
+        ranks on several nodes (multinode.py); this process is node 0 and spawns its ranks only."""
         config = spec_args["config"]
         check_parallel(config, tensor_parallel_size, pipeline_parallel_size)
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
@@ -93,22 +100,27 @@ class MultiprocExecutor:
         # One conversation with the workers at a time: steps run on the engine thread, K/V
         # writes of a decode hand-off (gather/scatter) on others.
         self._lock = threading.Lock()
-        self.stats = StepStats()  # the last stage's TP rank 0: step and communication time
+        # The last stage's TP rank 0: step and communication time; and every rank's forward time.
+        self.stats = StepStats(ranks=RankStats(self.tp, self.pp))
         # Overlapping pipeline stages (pipeline.py): steps submitted and not yet collected, the most
         # at once, and logits that arrived while another thread waited for a hand-off's reply.
         self.in_flight = 0
         self.max_in_flight = 0
-        self._early_logits: deque = deque()
+        self._early_replies: list[deque] = [deque() for _ in range(self.world_size)]
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.leader: Leader | None = None
+        local = self.world_size if layout is None else layout.ranks_per_node  # node 0: ranks [0, local)
         self.spec = WorkerSpec(
             **spec_args, tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
-            init_method=f"tcp://127.0.0.1:{_free_port()}", threads=max(1, cores // self.world_size),
-            timeout_s=float(os.environ.get("KVRELAY_PARALLEL_TIMEOUT_S", "120")),
+            init_method=f"tcp://127.0.0.1:{_free_port()}" if layout is None else layout.init_method,
+            threads=max(1, cores // local), timeout_s=float(os.environ.get("KVRELAY_PARALLEL_TIMEOUT_S", "120")),
         )
         ctx = mp.get_context("spawn")
-        self.procs, self.conns = [], []
+        self.procs, self.conns = [], []  # procs: this node's ranks; conns: every rank's
         try:
-            for rank in range(self.world_size):
+            if layout is not None:
+                self.leader = Leader(layout, token_from_env())
+            for rank in range(local):
                 parent, child = ctx.Pipe()
                 main = threading.current_thread() is threading.main_thread()
                 proc = ctx.Process(target=worker_main, args=(rank, self.spec, child, main), daemon=True,
@@ -117,6 +129,9 @@ class MultiprocExecutor:
                 child.close()
                 self.procs.append(proc)
                 self.conns.append(parent)
+            if self.leader is not None:
+                self.leader.accept(self.spec, join_timeout())
+                self.conns += [self.leader.rank_conns[r] for r in range(local, self.world_size)]
             ready = [self._recv(r, "ready", LOAD_TIMEOUT_S) for r in range(self.world_size)]
             self.planned_kv_bytes = [planned for planned, _ in ready]
             self.held = [held for _, held in ready]  # per rank: what it loaded (expert_bytes: MoE experts)
@@ -142,9 +157,7 @@ class MultiprocExecutor:
         with self._lock:
             self.check()
             self._broadcast(("step", batch_to_wire(batch)))
-            logits, step_s, comm = self._recv(self.world_size - self.tp, "logits", None)
-        self.stats.add(step_s, comm)
-        return torch.from_numpy(logits)
+            return self._step_replies()
 
     def submit(self, batch) -> None:
         """Send one step to every worker without waiting for its logits (collect() returns them, in
@@ -160,12 +173,23 @@ class MultiprocExecutor:
         with self._lock:
             if self.in_flight == 0:
                 raise RuntimeError("collect() without a submitted step")
-            if self._early_logits:
-                logits, step_s, comm = self._early_logits.popleft()
-            else:
-                logits, step_s, comm = self._recv(self.world_size - self.tp, "logits", None)
+            logits = self._step_replies()
             self.in_flight -= 1
-        self.stats.add(step_s, comm)
+            return logits
+
+    def _step_replies(self) -> torch.Tensor:
+        """Every rank's reply to the oldest step (each pipe carries them in step order): the logits
+        from TP rank 0 of the last stage, and every rank's forward time."""
+        last = self.world_size - self.tp
+        forward_s = [0.0] * self.world_size
+        logits = None
+        for rank in (last, *(r for r in range(self.world_size) if r != last)):
+            early = self._early_replies[rank]
+            out, step_s, comm, forward_s[rank] = early.popleft() if early else self._recv(rank, "logits", None)
+            if rank == last:
+                logits = out
+                self.stats.add(step_s, comm)
+        self.stats.ranks.add_step(forward_s)
         return torch.from_numpy(logits)
 
     def gather_blocks(self, block_ids: list[int], layer_start: int, layer_end: int) -> torch.Tensor:
@@ -213,29 +237,61 @@ class MultiprocExecutor:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait([conn, *(p.sentinel for p in self.procs)], left)
+            ready = wait([conn, *self._sentinels()], left)
             if conn in ready:
                 try:
                     got, _, payload = decode(conn.recv_bytes())
                 except (EOFError, OSError):
                     self._fail(self._death_message(rank))
                 if got == "error":
-                    self._fail(f"parallel worker rank {rank} failed:\n{payload.rstrip()}")
-                if got == "logits" != kind and len(self._early_logits) < self.in_flight:
-                    self._early_logits.append(payload)  # a submitted step's, ahead of a hand-off's reply
+                    self._fail(self._error_message(rank, payload))
+                if got == "logits" != kind and len(self._early_replies[rank]) < self.in_flight:
+                    self._early_replies[rank].append(payload)  # a submitted step's, ahead of a hand-off's reply
                     continue
                 if got != kind:
                     self._fail(f"parallel worker rank {rank}: expected {kind!r}, got {got!r}")
                 return payload
             if ready:
-                dead = next(r for r, p in enumerate(self.procs) if p.sentinel in ready)
-                self._fail(self._death_message(dead))
+                self._fail(self._death_message(self._sentinels()[ready[0]]))
             if deadline is not None and time.monotonic() >= deadline:
                 self._fail(f"parallel worker rank {rank} sent no {kind!r} within {timeout:.0f}s")
 
+    def _error_message(self, rank: int, traceback: str) -> str:
+        """A rank's collective fails when a peer dies (gloo: connection reset): if another rank died,
+        it is the cause to name, and this rank's error its consequence."""
+        sentinels = self._sentinels()
+        own = rank if rank < len(self.procs) else self.leader.layout.node_ranks(
+            self.leader.layout.node_of(rank)).start
+        ready = wait([s for s, r in sentinels.items() if r != own], ERROR_GRACE_S)
+        if ready:
+            last = traceback.rstrip().splitlines()[-1]
+            return f"{self._death_message(sentinels[ready[0]])}\n(then rank {rank} failed: {last})"
+        return f"parallel worker rank {rank} failed:\n{traceback.rstrip()}"
+
+    def _sentinels(self) -> dict:
+        """What becomes ready when a rank dies -> that rank (a follower node: its first rank): local
+        workers' process sentinels, follower nodes' supervisor connections."""
+        out = {p.sentinel: r for r, p in enumerate(self.procs)}
+        if self.leader is not None:
+            out |= {c: self.leader.layout.node_ranks(n).start for n, c in self.leader.node_conns.items()}
+        return out
+
     def _death_message(self, rank: int) -> str:
         with self._reaping:
-            return self._reap(rank)
+            return self._reap(rank) if rank < len(self.procs) else self._reap_remote(rank)
+
+    def _reap_remote(self, rank: int) -> str:
+        """A rank on a follower node: its traceback if it sent one, else what its supervisor said."""
+        try:
+            while self.conns[rank].poll():
+                got, _, payload = decode(self.conns[rank].recv_bytes())
+                if got == "error":
+                    return f"parallel worker rank {rank} failed:\n{payload.rstrip()}"
+        except (EOFError, OSError):
+            pass
+        how, rank = self.leader.node_death(self.leader.layout.node_of(rank))
+        return (f"parallel worker rank {rank} (tp rank {rank % self.tp}, pp rank {rank // self.tp}) {how}; "
+                f"the engine cannot continue")
 
     def _reap(self, rank: int) -> str:
         proc = self.procs[rank]
@@ -264,7 +320,7 @@ class MultiprocExecutor:
         raise WorkerDiedError(self.failed)
 
     def _watch(self) -> None:
-        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        sentinels = self._sentinels()
         ready = wait(list(sentinels))
         if self._closing or self.failed is not None:
             return
@@ -278,6 +334,8 @@ class MultiprocExecutor:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+        if self.leader is not None:  # the follower nodes' supervisors stop their ranks
+            self.leader.close()
 
     def close(self) -> None:
         """Stop every worker (politely first) and wait for them; safe to call twice."""
@@ -294,6 +352,8 @@ class MultiprocExecutor:
             p.join(timeout=5.0)
         for c in self.conns:
             c.close()
+        if self.leader is not None:
+            self.leader.close()
 
     def _broadcast_quietly(self, msg) -> None:
         data = encode(msg)
@@ -346,9 +406,16 @@ def start_executor(args, config, dtype: torch.dtype, device: torch.device, kerne
     if (device.type == "cuda" and args.pipeline_parallel_size > 1 and args.kv_cache_memory is None
             and not args.num_kv_blocks):
         raise ValueError("--pipeline-parallel-size on CUDA: give --kv-cache-memory (per GPU) or --num-kv-blocks")
-    if device.type == "cuda" and torch.cuda.device_count() < args.tensor_parallel_size * args.pipeline_parallel_size:
-        raise ValueError(f"--tensor-parallel-size x --pipeline-parallel-size = "
-                         f"{args.tensor_parallel_size * args.pipeline_parallel_size} GPUs, but this node has "
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    layout = None
+    if getattr(args, "nnodes", 1) > 1:
+        layout = parse_layout(args.nnodes, args.node_rank, args.dist_init_addr, world)
+        if layout.node_rank != 0:
+            raise ValueError(f"--node-rank {layout.node_rank}: the engine is node 0; on the other nodes run "
+                             f"`{layout.follower_command(layout.node_rank)}`")
+    local = world if layout is None else layout.ranks_per_node
+    if device.type == "cuda" and torch.cuda.device_count() < local:
+        raise ValueError(f"{local} parallel ranks on this node need {local} GPUs, but it has "
                          f"{torch.cuda.device_count()}")
     return MultiprocExecutor(
         {"model_dir": str(args.model), "config": config, "dtype": dtype, "device_type": device.type,
@@ -357,5 +424,5 @@ def start_executor(args, config, dtype: torch.dtype, device: torch.device, kerne
          "gpu_memory_utilization": args.gpu_memory_utilization,
          "max_num_batched_tokens": args.max_num_batched_tokens, "plugins": args.plugins,
          "enable_expert_parallel": args.enable_expert_parallel},
-        args.tensor_parallel_size, args.pipeline_parallel_size,
+        args.tensor_parallel_size, args.pipeline_parallel_size, layout,
     )
