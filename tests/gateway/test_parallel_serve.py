@@ -38,6 +38,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _wait_rank_counts(url: str, ok, timeout: float = 30.0) -> dict[str, float]:
+    """kvrelay:parallel_rank_forward_seconds' count per rank, polled until ok(counts)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        counts = {s.labels["rank"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                  if s.name == "kvrelay:parallel_rank_forward_seconds_count"}
+        if ok(counts):
+            return counts
+        assert time.monotonic() < deadline, f"per-rank forward counts stayed {counts}"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("mode", [[], ["--engine-in-process"]], ids=["engine_process", "in_process"])
 def test_serve_tp2_matches_one_process_and_exits_when_a_worker_dies(tmp_path, mode):
     import os
@@ -61,6 +77,10 @@ def test_serve_tp2_matches_one_process_and_exits_when_a_worker_dies(tmp_path, mo
         comm = {x.split(" ")[0]: float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("kvrelay:parallel_comm")}
         assert comm['kvrelay:parallel_comm_bytes_total{kind="all_reduce"}'] > 0
         assert comm['kvrelay:parallel_comm_seconds_total{kind="all_gather"}'] > 0
+        # every rank's forward time, counted per step (the engine process sends its stats every so often)
+        first = _wait_rank_counts(gw.url, lambda counts: len(counts) == 2 and min(counts.values()) > 0)
+        client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=4, temperature=0)
+        _wait_rank_counts(gw.url, lambda counts: all(counts[r] > first[r] for r in first))
 
         workers = _worker_pids(gw.proc.pid)
         assert len(workers) == 2
