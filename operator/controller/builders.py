@@ -18,6 +18,7 @@ from kvrelay.operator import constants as c
 from kvrelay.operator.config import OperatorConfig
 from kvrelay.operator.spec import InferenceServiceSpec, InvalidSpec, RoleSpec
 
+WORKLOAD_KINDS = ("Deployment", c.LWS_KIND)  # a role's pods: one node each, or a group over several
 MAX_NAME_LENGTH = 63 - len("-prefill")  # child Service names must stay valid DNS labels
 
 
@@ -233,10 +234,10 @@ def build_deployment(
     }
     if rs.resources:
         container["resources"] = normalized_resources(rs.resources)
-    if rs.parallelism.gpus > 1:  # one GPU per tensor/pipeline rank, all in this pod
+    if rs.parallelism.gpus > 1:  # one GPU per tensor/pipeline rank: all in this pod, or this node's
         res = container.setdefault("resources", {})
         for kind in ("requests", "limits"):
-            res.setdefault(kind, {})["nvidia.com/gpu"] = str(rs.parallelism.gpus)
+            res.setdefault(kind, {})["nvidia.com/gpu"] = str(rs.parallelism.gpus_per_pod)
     pod_spec: dict[str, Any] = {"containers": [container]}
     if role == "gateway" and spec.tenants_secret:
         container["volumeMounts"] = [{"name": "tenants", "mountPath": c.TENANTS_MOUNT_DIR, "readOnly": True}]
@@ -326,14 +327,17 @@ def build_children(
     config: OperatorConfig,
     live_replicas: Mapping[str, int | None] | None = None,
 ) -> list[dict[str, Any]]:
-    """All children in apply order: settings first, then Services, then the workloads."""
+    """All children in apply order: settings first, then Services, then the workloads (a
+    LeaderWorkerSet for a role whose engine spans several nodes: leaderworkerset.py)."""
+    from kvrelay.operator.leaderworkerset import build_leader_worker_set, uses_lws
+
     check_name(owner.name)
     live_replicas = live_replicas or {}
     children = [build_config_map(owner, spec)]
     children += [build_service(owner, role) for role in c.ROLES]
     children += [
-        build_deployment(owner, role, spec, config,
-                         initial_or_live_replicas(role, spec.role(role), live_replicas.get(role)))
+        (build_leader_worker_set if uses_lws(spec, role) else build_deployment)(
+            owner, role, spec, config, initial_or_live_replicas(role, spec.role(role), live_replicas.get(role)))
         for role in c.ROLES
     ]
     for child in children:
@@ -345,7 +349,7 @@ def hashed_content(obj: Mapping[str, Any]) -> dict[str, Any]:
     """What the spec hash covers: everything but replicas (the autoscaler's) and the hash itself."""
     body = copy.deepcopy(dict(obj))
     body.get("metadata", {}).get("annotations", {}).pop(c.ANNOTATION_SPEC_HASH, None)
-    if body.get("kind") == "Deployment":
+    if body.get("kind") in WORKLOAD_KINDS:
         body["spec"].pop("replicas", None)
     return body
 

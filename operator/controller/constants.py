@@ -45,6 +45,21 @@ KV_SHM_VOLUME = "kv-shm"
 NODE_HOSTNAME_LABEL = "kubernetes.io/hostname"
 NODE_NAME_ENV = "KVRELAY_NODE_NAME"  # worker env from the pod's spec.nodeName (kvrelay.kvtransfer.worker_base)
 
+# Engines over several nodes (spec.<role>.parallelism beyond gpusPerNode): a LeaderWorkerSet
+# (https://lws.sigs.k8s.io) per role, when its CRD is installed. LWS sets LWS_LEADER_ADDRESS and
+# LWS_WORKER_INDEX in every pod of a group; the leader pod is node 0 (the engine), the others
+# run `kvrelay parallel-worker` (kvrelay.engine.parallel.multinode).
+LWS_GROUP = "leaderworkerset.x-k8s.io"
+LWS_API_VERSION = f"{LWS_GROUP}/v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_PLURAL = "leaderworkersets"
+LWS_CRD = f"{LWS_PLURAL}.{LWS_GROUP}"
+LWS_LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
+LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
+PARALLEL_DIST_PORT = 29500  # torch.distributed rendezvous on the leader pod; its control listener is + 1
+PARALLEL_TOKEN_ENV = "KVRELAY_PARALLEL_TOKEN"  # the nodes' shared secret, from Secret <name>-parallel-token
+PARALLEL_TOKEN_KEY = "token"
+
 # Prometheus metrics the autoscaler reads (see services/gateway and the workers' /metrics).
 METRIC_GATEWAY_QUEUE_DEPTH = "kvrelay:gateway_queue_depth"  # labels: model, role="prefill"|"decode"
 METRIC_WORKER_WAITING = "kvrelay:num_requests_waiting"
@@ -70,7 +85,9 @@ RBAC_RULES: list[dict[str, list[str]]] = [
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["patch"]},
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "create", "patch"]},
+    {"apiGroups": [LWS_GROUP], "resources": [LWS_PLURAL], "verbs": ["get", "create", "patch"]},
     {"apiGroups": [""], "resources": ["services", "configmaps"], "verbs": ["get", "create", "patch"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},  # the nodes' token, created once
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
     # kopf's resource observer: notices CRDs appearing and going (without it, kopf retries for a minute).

@@ -16,9 +16,10 @@ import aiohttp
 import kopf
 from kvrelay.operator import constants as c
 from kvrelay.operator.autoscale import Decision, Stabilizer, decide
-from kvrelay.operator.builders import Owner, build_children, gateway_url, hashed_content
+from kvrelay.operator.builders import WORKLOAD_KINDS, Owner, build_children, gateway_url, hashed_content
 from kvrelay.operator.config import OperatorConfig
 from kvrelay.operator.kube import APIError, KubeClient, object_path, path_of
+from kvrelay.operator.leaderworkerset import build_token_secret, missing_crd_error, uses_lws, workload_kinds
 from kvrelay.operator.metrics import MetricsUnavailable, read_signals
 from kvrelay.operator.peering import require_peering
 from kvrelay.operator.spec import InferenceServiceSpec, InvalidSpec, parse_spec
@@ -67,31 +68,54 @@ def needs_apply(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
         return True
     if not is_subset(hashed_content(desired), live):
         return True
-    if desired["kind"] == "Deployment" and desired["spec"]["replicas"] != live.get("spec", {}).get("replicas"):
+    if desired["kind"] in WORKLOAD_KINDS and desired["spec"]["replicas"] != live.get("spec", {}).get("replicas"):
         return True
     return not is_subset(desired["metadata"]["annotations"], live.get("metadata", {}).get("annotations") or {})
 
 
 async def apply_children(client: KubeClient, owner: Owner, spec: InferenceServiceSpec, config: OperatorConfig,
                          applied: list[str] | None = None) -> dict[str, dict[str, Any] | None]:
-    """Bring every child to its desired state; returns the live Deployments by role and adds
-    "Kind name" of each child it wrote to `applied`."""
-    deployment_paths = {role: object_path("apps/v1", "Deployment", owner.namespace, f"{owner.name}-{role}")
-                        for role in c.ROLES}
-    deployments = {role: await client.get(path) for role, path in deployment_paths.items()}
+    """Bring every child to its desired state; returns the live workloads (Deployments, or
+    LeaderWorkerSets for engines over several nodes) by role and adds "Kind name" of each child it
+    wrote to `applied`. Raises InvalidSpec when a LeaderWorkerSet is needed and its CRD is missing."""
+    if any(uses_lws(spec, role) for role in c.ROLES) and not await client.api_served(c.LWS_API_VERSION):
+        raise missing_crd_error(spec)
+    paths = {role: object_path(*workload_kinds(spec, role)[0], owner.namespace, f"{owner.name}-{role}")
+             for role in c.ROLES}
+    deployments = {role: await client.get(path) for role, path in paths.items()}
     live_replicas = {role: (d or {}).get("spec", {}).get("replicas") for role, d in deployments.items()}
     for desired in build_children(owner, spec, config, live_replicas):
         path = path_of(desired)
         role = desired["metadata"]["labels"].get(c.LABEL_COMPONENT)
-        live = deployments[role] if desired["kind"] == "Deployment" else await client.get(path)
+        workload = desired["kind"] in WORKLOAD_KINDS
+        live = deployments[role] if workload else await client.get(path)
         if needs_apply(desired, live):
             client.logger.info(f"applying {desired['kind']} {desired['metadata']['name']}")
+            if workload and live is None and role in c.WORKER_ROLES:
+                if desired["kind"] == c.LWS_KIND:  # its pods' shared token, before they start
+                    await client.create_once(build_token_secret(owner))
+                await scale_other_kind_to_zero(client, owner, spec, role, applied)
             live = await client.apply(desired)
             if applied is not None:
                 applied.append(f"{desired['kind']} {desired['metadata']['name']}")
-            if desired["kind"] == "Deployment":
+            if workload:
                 deployments[role] = live
     return deployments
+
+
+async def scale_other_kind_to_zero(client: KubeClient, owner: Owner, spec: InferenceServiceSpec, role: str,
+                                   applied: list[str] | None) -> None:
+    """A role that moved between one node (Deployment) and several (LeaderWorkerSet) stops the
+    pods of its other workload; the object stays until the InferenceService goes (garbage collection)."""
+    _, other = workload_kinds(spec, role)
+    if other[1] == c.LWS_KIND and not await client.api_served(c.LWS_API_VERSION):
+        return
+    path = object_path(*other, owner.namespace, f"{owner.name}-{role}")
+    stale = await client.get(path)
+    if stale is not None and stale.get("spec", {}).get("replicas"):
+        await client.merge_patch(path, {"spec": {"replicas": 0}}, c.FIELD_MANAGER)
+        if applied is not None:
+            applied.append(f"{other[1]} {owner.name}-{role} (scaled to 0)")
 
 
 async def write_status(client: KubeClient, body: kopf.Body, patch: dict[str, Any]) -> bool:
@@ -175,7 +199,7 @@ async def run_autoscaler(client: KubeClient, body: kopf.Body, owner: Owner, spec
                           stabilizers.setdefault(role, Stabilizer()), now)
         if decision.changes:
             path = path_of(deployment) if "apiVersion" in deployment else object_path(
-                "apps/v1", "Deployment", owner.namespace, f"{owner.name}-{role}")
+                *workload_kinds(spec, role)[0], owner.namespace, f"{owner.name}-{role}")
             deployments[role] = await client.merge_patch(path, {"spec": {"replicas": decision.desired}},
                                                          c.SCALER_FIELD_MANAGER)
         previous = recorded.get(role)

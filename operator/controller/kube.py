@@ -25,7 +25,9 @@ KIND_PATHS = {
     ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{namespace}/deployments",
     ("v1", "Service"): "/api/v1/namespaces/{namespace}/services",
     ("v1", "ConfigMap"): "/api/v1/namespaces/{namespace}/configmaps",
+    ("v1", "Secret"): "/api/v1/namespaces/{namespace}/secrets",
     (c.API_VERSION, c.KIND): f"/apis/{c.API_VERSION}/namespaces/{{namespace}}/{c.PLURAL}",
+    (c.LWS_API_VERSION, c.LWS_KIND): f"/apis/{c.LWS_API_VERSION}/namespaces/{{namespace}}/{c.LWS_PLURAL}",
 }
 
 NotFound = errors.APINotFoundError
@@ -76,6 +78,22 @@ class KubeClient:
             settings=self.settings,
             logger=self.logger,
         )
+
+    async def create_once(self, obj: Mapping[str, Any]) -> bool:
+        """POST obj; an object of that name already there is left as it is. True when created."""
+        meta = obj["metadata"]
+        collection = KIND_PATHS[(obj["apiVersion"], obj["kind"])].format(namespace=meta["namespace"])
+        try:
+            await api.post(collection, payload=json.loads(json.dumps(obj)), settings=self.settings,
+                           logger=self.logger)
+        except errors.APIConflictError:
+            return False
+        return True
+
+    async def api_served(self, group_version: str) -> bool:
+        """Whether the API server serves group/version (its CRD is installed): API discovery, which
+        every authenticated client may read."""
+        return await self.get(f"/apis/{group_version}", backoffs=[]) is not None
 
     async def merge_patch(self, path: str, patch: Mapping[str, Any], field_manager: str) -> dict[str, Any]:
         query = urllib.parse.urlencode({"fieldManager": field_manager})

@@ -30,16 +30,27 @@ class InvalidSpec(ValueError):
 
 @dataclass(frozen=True)
 class ParallelismSpec:
-    """A worker pod's engine split over its GPUs: --tensor-parallel-size x --pipeline-parallel-size
-    worker processes, one GPU each."""
+    """A role's engine split over GPUs: --tensor-parallel-size x --pipeline-parallel-size worker
+    processes, one GPU each; beyond gpusPerNode, over several nodes (a LeaderWorkerSet group)."""
 
     tensor: int = 1
     pipeline: int = 1
-    gpus_per_node: int | None = None  # None: not checked
+    gpus_per_node: int | None = None  # None: every rank in one pod
 
     @property
     def gpus(self) -> int:
         return self.tensor * self.pipeline
+
+    @property
+    def nodes(self) -> int:
+        """Pods (nodes) per engine: 1, or tensor x pipeline / gpusPerNode (a LeaderWorkerSet's size)."""
+        if self.gpus_per_node is None or self.gpus <= self.gpus_per_node:
+            return 1
+        return self.gpus // self.gpus_per_node
+
+    @property
+    def gpus_per_pod(self) -> int:
+        return self.gpus // self.nodes
 
 
 @dataclass(frozen=True)
@@ -175,14 +186,15 @@ def _parallelism(value: Any, path: str, resources: Mapping[str, Any]) -> Paralle
     par = ParallelismSpec(tensor=_int(src, "tensor", path, 1, minimum=1),
                           pipeline=_int(src, "pipeline", path, 1, minimum=1),
                           gpus_per_node=None if gpn is None else _int(src, "gpusPerNode", path, 1, minimum=1))
-    if par.gpus_per_node is not None and par.gpus > par.gpus_per_node:
-        raise InvalidSpec(f"{path}: tensor x pipeline = {par.gpus} GPUs exceeds gpusPerNode {par.gpus_per_node}; "
-                          f"ranks across nodes (LeaderWorkerSet) are not implemented in this release")
+    if par.nodes > 1 and par.gpus % par.gpus_per_node:
+        raise InvalidSpec(f"{path}: tensor x pipeline = {par.gpus} GPUs exceeds gpusPerNode {par.gpus_per_node} "
+                          f"and is not a multiple of it: the ranks must split evenly over the nodes")
     for kind in ("requests", "limits"):
         asked = _obj(resources.get(kind), f"{path}.resources.{kind}").get("nvidia.com/gpu")
-        if par.gpus > 1 and asked is not None and str(asked) != str(par.gpus):
-            raise InvalidSpec(f"{path}: tensor x pipeline = {par.gpus} GPUs, but resources.{kind} asks for "
-                              f"nvidia.com/gpu {asked}; drop it (the operator sets it) or make them equal")
+        if par.gpus > 1 and asked is not None and str(asked) != str(par.gpus_per_pod):
+            raise InvalidSpec(f"{path}: tensor x pipeline = {par.gpus} GPUs ({par.gpus_per_pod} per pod), but "
+                              f"resources.{kind} asks for nvidia.com/gpu {asked}; drop it (the operator sets it) "
+                              f"or make them equal")
     return par
 
 

@@ -213,7 +213,7 @@ def test_parallelism_sets_the_worker_flags_and_one_gpu_per_rank():
 
 
 @pytest.mark.parametrize("role, par, message", [
-    ("decode", {"tensor": 4, "pipeline": 2, "gpusPerNode": 4}, "tensor x pipeline = 8 GPUs exceeds gpusPerNode 4"),
+    ("decode", {"tensor": 4, "pipeline": 2, "gpusPerNode": 3}, "8 GPUs exceeds gpusPerNode 3 and is not a multiple"),
     ("decode", {"tensor": 0}, "spec.decode.parallelism.tensor must be >= 1"),
     ("gateway", {"tensor": 2}, "only the prefill and decode roles run a model"),
 ])
