@@ -91,9 +91,9 @@ async def apply_children(client: KubeClient, owner: Owner, spec: InferenceServic
         live = deployments[role] if workload else await client.get(path)
         if needs_apply(desired, live):
             client.logger.info(f"applying {desired['kind']} {desired['metadata']['name']}")
-            if workload and live is None and role in c.WORKER_ROLES:
-                if desired["kind"] == c.LWS_KIND:  # its pods' shared token, before they start
-                    await client.create_once(build_token_secret(owner))
+            if desired["kind"] == c.LWS_KIND and live is None:  # its pods' shared token, before they start
+                await client.create_once(build_token_secret(owner))
+            if workload and role in c.WORKER_ROLES:  # created or changed: maybe moved between kinds
                 await scale_other_kind_to_zero(client, owner, spec, role, applied)
             live = await client.apply(desired)
             if applied is not None:

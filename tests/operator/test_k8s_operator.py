@@ -20,6 +20,7 @@ from kvrelay.operator import constants as c
 from real_cluster import RELEASE, ROOT, OperatorProcess, audited_calls, wait_for
 
 INSTANCE = c.LABEL_INSTANCE
+LWS_CRD = c.LWS_CRD
 
 
 class MetricsEndpoints:
@@ -212,6 +213,48 @@ def test_invalid_spec_becomes_a_condition_and_an_event_without_a_crash_loop(char
     assert children(kube, namespace, name)["deployments"] == []
 
 
+def test_multi_node_role_needs_the_leaderworkerset_crd_then_becomes_one(chart, operator, namespace):
+    """Beyond gpusPerNode with no LWS CRD: InvalidSpec naming the CRD. Once it is installed: a
+    LeaderWorkerSet of node groups, the nodes' token Secret, and the role's Deployment scaled to 0;
+    back within one node, the other way round."""
+    kube = chart.kube
+    one_node = {"parallelism": {"tensor": 2, "gpusPerNode": 2}}
+    kube.apply(small("multi", namespace, decode=one_node))
+    wait_for(lambda: kube.get("deployment", "multi-decode", namespace), what="the decode Deployment")
+    assert kube.get("crd", LWS_CRD, "") is None, "the LeaderWorkerSet CRD must be absent at first"
+    kube.run("patch", c.SHORT_NAME, "multi", "-n", namespace, "--type=merge",
+             "-p", '{"spec": {"decode": {"parallelism": {"gpusPerNode": 1}}}}')
+    ready = wait_for(lambda: (r := condition(kube.get(c.SHORT_NAME, "multi", namespace), "Ready"))
+                     and r["reason"] == "InvalidSpec" and r, what="an InvalidSpec condition")
+    assert ready["status"] == "False" and c.LWS_CRD in ready["message"] and "2 nodes" in ready["message"]
+
+    kube.run("apply", "-f", str(ROOT / "tests" / "operator" / "manifests" / "leaderworkerset-crd.yaml"))
+    kube.run("wait", "--for=condition=Established", f"crd/{LWS_CRD}", "--timeout=60s")
+    lws = wait_for(lambda: kube.get(c.LWS_PLURAL, "multi-decode", namespace), timeout=90,
+                   what="the decode LeaderWorkerSet")
+    assert lws["metadata"]["ownerReferences"][0]["name"] == "multi"
+    tpl = lws["spec"]["leaderWorkerTemplate"]
+    assert tpl["size"] == 2
+    assert tpl["leaderTemplate"]["spec"]["containers"][0]["args"][-4:] == [
+        "--nnodes", "2", "--dist-init-addr", "$(LWS_LEADER_ADDRESS):29500"]
+    assert tpl["workerTemplate"]["spec"]["containers"][0]["args"][0] == "parallel-worker"
+    assert tpl["leaderTemplate"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    secret = kube.get("secret", "multi-parallel-token", namespace)
+    assert secret["data"]["token"] and secret["metadata"]["ownerReferences"][0]["name"] == "multi"
+    wait_for(lambda: kube.get("deployment", "multi-decode", namespace)["spec"]["replicas"] == 0,
+             what="the one-node Deployment scaled to 0")
+    wait_for(lambda: condition(kube.get(c.SHORT_NAME, "multi", namespace), "Ready")["reason"] != "InvalidSpec",
+             what="the InvalidSpec condition cleared")
+
+    kube.run("patch", c.SHORT_NAME, "multi", "-n", namespace, "--type=merge",
+             "-p", '{"spec": {"decode": {"parallelism": {"gpusPerNode": 2}}}}')
+    wait_for(lambda: kube.get("deployment", "multi-decode", namespace)["spec"]["replicas"] == 1,
+             what="the Deployment back")
+    wait_for(lambda: kube.get(c.LWS_PLURAL, "multi-decode", namespace)["spec"]["replicas"] == 0,
+             what="the LeaderWorkerSet scaled to 0")
+    assert kube.get("secret", "multi-parallel-token", namespace)["data"] == secret["data"]  # created once
+
+
 def test_autoscaler_scales_real_deployments_to_zero_and_back(chart, operator, metrics, namespace):
     kube = chart.kube
     metrics.set_load(namespace, "demo")  # idle
@@ -279,6 +322,8 @@ def test_chart_role_grants_only_what_the_operator_uses(chart, operator, namespac
         ("", "services", "create"): {"apiVersion": "v1", "kind": "Service", "spec": {"ports": [{"port": 80}]}},
         ("", "configmaps", "create"): {"apiVersion": "v1", "kind": "ConfigMap", "data": {}},
         (c.GROUP, f"{c.PLURAL}/finalizers", "update"): {"apiVersion": "v1", "kind": "ConfigMap", "data": {}},
+        # (the LeaderWorkerSet CRD is installed by test_multi_node_role_needs_the_leaderworkerset_crd...)
+        (c.LWS_GROUP, c.LWS_PLURAL, "create"): {"apiVersion": c.LWS_API_VERSION, "kind": c.LWS_KIND, "spec": {}},
     }
     assert granted - used <= set(probes), f"granted but never used: {granted - used - set(probes)}"
     for i, ((group, resource, verb), obj) in enumerate(sorted(probes.items())):
