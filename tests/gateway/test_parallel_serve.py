@@ -119,3 +119,59 @@ def test_disaggregated_tp2_on_both_sides_matches_one_process(tmp_path):
         assert got.choices[0].text == want
     finally:
         gw.stop()
+
+
+def test_serve_over_two_nodes_matches_one_process_and_exits_when_the_follower_dies(tmp_path, monkeypatch):
+    """`kvrelay serve --nnodes 2` hosts rank 0, `kvrelay parallel-worker` (another process tree) rank 1."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    engine = LLMEngine(EngineArgs(kv_cache_memory=4 * 2**20))
+    engine.add_request(PROMPT, SamplingParams(max_tokens=12, temperature=0.0), "r")
+    want = ""
+    while engine.has_work():
+        want += "".join(o.text for o in engine.step())
+
+    monkeypatch.setenv("KVRELAY_PARALLEL_TOKEN", "serve-test")
+    port = _two_free_ports()  # torch.distributed's rendezvous, and the control listener above it
+    nodes = ["--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
+    with open(tmp_path / "follower.log", "w") as log:
+        follower = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "parallel-worker", "--node-rank", "1",
+                                     *nodes], stdout=log, stderr=subprocess.STDOUT)
+    gw = None
+    try:
+        gw = GatewayProcess(["--tensor-parallel-size", "2", *nodes, "--kv-cache-memory", "4MiB"], tmp_path / "serve.log")
+        gw.wait_healthy(timeout=120)
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        got = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert got.choices[0].text == want
+        _wait_rank_counts(gw.url, lambda counts: len(counts) == 2 and min(counts.values()) > 0)
+
+        os.kill(follower.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while gw.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = (tmp_path / "serve.log").read_text()
+        assert gw.proc.returncode == 1, log
+        assert "parallel worker rank 1 " in log and "node 1" in log
+    finally:
+        if gw is not None:
+            gw.stop()
+        follower.kill()
+        follower.wait()
+
+
+def _two_free_ports() -> int:
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            try:
+                b.bind(("127.0.0.1", a.getsockname()[1] + 1))
+            except OSError:
+                continue
+            return a.getsockname()[1]
+    raise RuntimeError("no two consecutive free ports")
