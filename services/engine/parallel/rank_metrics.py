@@ -9,9 +9,11 @@ A rank that is always the slowest points at a straggling GPU, host or link.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
+import torch
 from prometheus_client.core import HistogramMetricFamily
 
 FORWARD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -55,6 +57,42 @@ class RankTimes:
         return RankTimes(self.rank, self.tp_rank, self.pp_rank, self.forward.copy())
 
 
+class ForwardTimer:
+    """One rank's forward time per step. On CPU: the wall clock, less the wait for the previous
+    stage. On CUDA: the GPU's time between an event after the receive (or at the start) and one at
+    the end, read one step late, when it is long done, so that no step waits for the GPU for it
+    (the first step reports None)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._pending = None
+        self._started = self._waited = 0.0
+        self._begin = None
+
+    def start(self) -> None:
+        self._started, self._waited = time.perf_counter(), 0.0
+        if self.cuda:
+            self._begin = torch.cuda.Event(enable_timing=True)
+            self._begin.record()
+
+    def received(self, waited: float) -> None:
+        """The previous stage's hidden states arrived (on CUDA: their receive is enqueued)."""
+        self._waited = waited
+        if self.cuda:
+            self._begin.record()  # again: the GPU passes it once the receive is done
+
+    def stop(self) -> float | None:
+        if not self.cuda:
+            return time.perf_counter() - self._started - self._waited
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        last, self._pending = self._pending, (self._begin, end)
+        if last is None:
+            return None
+        last[1].synchronize()
+        return last[0].elapsed_time(last[1]) / 1000.0
+
+
 class RankStats:
     """The driver's record of every rank's forward times (see the module doc)."""
 
@@ -62,8 +100,10 @@ class RankStats:
         self.ranks = [RankTimes(r, r % tp, r // tp) for r in range(tp * pp)]
         self.skew = Histo()
 
-    def add_step(self, forward_s: list[float]) -> None:
-        """One step's forward seconds, indexed by rank."""
+    def add_step(self, forward_s: list[float | None]) -> None:
+        """One step's forward seconds, indexed by rank (a None: not measured, the step is skipped)."""
+        if None in forward_s:
+            return
         for times, sec in zip(self.ranks, forward_s, strict=True):
             times.forward.observe(sec)
         self.skew.observe(max(forward_s) - min(forward_s))

@@ -161,6 +161,7 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
     from kvrelay.engine.model import DecoderModel
     from kvrelay.engine.parallel.layers import COMM, kv_head_range, quantize_rank_linears, stage_layers
     from kvrelay.engine.parallel.loader import load_rank_weights
+    from kvrelay.engine.parallel.rank_metrics import ForwardTimer
     from kvrelay.engine.runner.memory import plan_kv_cache
     from kvrelay.engine.weights import pack_linears
     from kvrelay.kernels.registry import get_ops
@@ -206,6 +207,7 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
     conn.send_bytes(encode(("allocated", rank, None)))
 
     prev, nxt = rank - tp, rank + tp
+    timer = ForwardTimer(device)
     replies = state.is_last_stage and state.tp_rank == 0
     stage = stage_layers(spec.config.num_layers, pp, state.pp_rank)
     heads = kv_head_range(spec.config.num_kv_heads, tp, state.tp_rank)
@@ -231,7 +233,7 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
             conn.send_bytes(encode((kind, rank, reply)))
             continue
         started = time.perf_counter()
-        waited = 0.0  # for the previous stage's hidden states: not this rank's forward time
+        timer.start()
         logits = None
         batch = batch_from_wire(payload, device)
         with torch.inference_mode():
@@ -244,7 +246,7 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
                 t = time.perf_counter()  # includes waiting for the previous stage's layers
                 dist.recv(hidden, src=prev)
                 dist.recv(residual, src=prev)
-                waited = time.perf_counter() - t
+                timer.received(time.perf_counter() - t)  # waiting for the previous stage is not its forward
                 COMM.add("send_recv", hidden, t, count=2)
             hidden, residual = model.run_layers(batch, kv_cache, hidden, residual)
             if not state.is_last_stage:
@@ -254,15 +256,14 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
                 COMM.add("send_recv", hidden, t, count=2)
             else:
                 logits = model.compute_logits(batch, hidden, residual)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the forward time is the GPU's, not the launches'
-        elapsed = time.perf_counter() - started
+        forward_s = timer.stop()
         # Every rank replies to every step with its forward time (kvrelay:parallel_rank_forward_seconds);
         # TP rank 0 of the last stage adds the logits, its step time and its communication.
         if replies:
-            reply = (logits.cpu().numpy(), elapsed, COMM.take(), elapsed - waited)
+            logits = logits.cpu().numpy()
+            reply = (logits, time.perf_counter() - started, COMM.take(), forward_s)
         else:
             COMM.take()
-            reply = (None, elapsed, None, elapsed - waited)
+            reply = (None, None, None, forward_s)
         conn.send_bytes(encode(("logits", rank, reply)))
     dist.destroy_process_group()
