@@ -103,7 +103,11 @@ class Leader:
     def __init__(self, layout: NodeLayout, token: bytes):
         self.layout = layout
         # Every interface: followers reach the leader by the address in --dist-init-addr.
-        self.listener = Listener(("0.0.0.0", layout.port + 1), authkey=token)
+        try:
+            self.listener = Listener(("0.0.0.0", layout.port + 1), authkey=token)
+        except OSError as e:
+            raise MultinodeError(f"cannot listen for the other nodes on port {layout.port + 1} (--dist-init-addr "
+                                 f"port + 1): {e}") from e
         self.node_conns: dict[int, Connection] = {}  # follower node -> its supervisor's connection
         self.rank_conns: dict[int, Connection] = {}  # remote rank -> its connection (the pipe's stand-in)
 
@@ -175,6 +179,7 @@ class Leader:
 
 def _connect(address: tuple[str, int], token: bytes, deadline: float) -> Connection:
     """Client(address), retried until deadline while the leader is not listening yet."""
+    waiting = False
     while True:
         try:
             return Client(address, authkey=token)
@@ -184,6 +189,9 @@ def _connect(address: tuple[str, int], token: bytes, deadline: float) -> Connect
         except OSError as e:
             if time.monotonic() >= deadline:
                 raise MultinodeError(f"cannot join the parallel leader at {address[0]}:{address[1]}: {e}") from e
+            if not waiting:
+                log.info("waiting for the parallel leader at %s:%d (%s)", *address, e)
+                waiting = True
             time.sleep(0.5)
 
 
