@@ -1,6 +1,6 @@
 """Per-rank forward times under TP=2 x PP=2 (four gloo processes): every rank reports its own
-forward time with its step reply, and /metrics has a histogram per rank whose count is the steps
-run, with the per-step skew beside it."""
+forward time and communication with its step reply, and /metrics has a histogram per rank whose
+count is the steps run, the per-step skew beside it, and each rank's communication by kind."""
 
 from __future__ import annotations
 
@@ -42,6 +42,11 @@ def test_every_rank_reports_its_forward_time_per_step():
         assert steps >= 3 and all(c == steps for c in counts.values())
         assert all(v > 0 for v in sums.values())
         assert first["kvrelay:parallel_rank_skew_seconds_count", ()] == steps
+        # each rank's own communication: TP all-reduces on every rank, send/recv between the stages
+        comm = {(dict(k)["rank"], dict(k)["kind"]): v for (n, k), v in first.items()
+                if n == "kvrelay:parallel_rank_comm_bytes_total"}
+        assert all(comm[str(r), "all_reduce"] > 0 and comm[str(r), "send_recv"] > 0 for r in range(4))
+        assert all(comm[str(r), "all_gather"] > 0 for r in (2, 3)) and (str(0), "all_gather") not in comm
         # a bucket per rank: the +Inf bucket holds every step
         inf = {k: v for (n, k), v in first.items() if n == "kvrelay:parallel_rank_forward_seconds_bucket"
                and ("le", "+Inf") in k}

@@ -181,15 +181,16 @@ class MultiprocExecutor:
         """Every rank's reply to the oldest step (each pipe carries them in step order): the logits
         from TP rank 0 of the last stage, and every rank's forward time."""
         last = self.world_size - self.tp
-        forward_s = [0.0] * self.world_size
+        forward_s: list[float | None] = [None] * self.world_size
+        comms: list[dict] = [{}] * self.world_size
         logits = None
         for rank in (last, *(r for r in range(self.world_size) if r != last)):
             early = self._early_replies[rank]
-            out, step_s, comm, forward_s[rank] = early.popleft() if early else self._recv(rank, "logits", None)
+            out, step_s, comms[rank], forward_s[rank] = early.popleft() if early else self._recv(rank, "logits", None)
             if rank == last:
                 logits = out
-                self.stats.add(step_s, comm)
-        self.stats.ranks.add_step(forward_s)
+                self.stats.add(step_s, comms[rank])
+        self.stats.ranks.add_step(forward_s, comms)
         return torch.from_numpy(logits)
 
     def gather_blocks(self, block_ids: list[int], layer_start: int, layer_end: int) -> torch.Tensor:

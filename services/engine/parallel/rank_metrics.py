@@ -3,7 +3,8 @@
 Every rank measures its own forward of each step (its layers and its collectives, not the time it
 waits for the previous pipeline stage's hidden states) and sends it with its step reply; the driver
 keeps one histogram per rank and one of the per-step skew (slowest rank minus fastest), exported as
-`kvrelay:parallel_rank_forward_seconds{rank,tp_rank,pp_rank}` and `kvrelay:parallel_rank_skew_seconds`.
+`kvrelay:parallel_rank_forward_seconds{rank,tp_rank,pp_rank}` and `kvrelay:parallel_rank_skew_seconds`,
+and each rank's communication totals, `kvrelay:parallel_rank_comm_{seconds,bytes}{rank,...,kind}`.
 A rank that is always the slowest points at a straggling GPU, host or link.
 """
 
@@ -14,7 +15,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import torch
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 FORWARD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -46,15 +47,18 @@ class Histo:
 
 @dataclass
 class RankTimes:
-    """One rank's forward times."""
+    """One rank's forward times, and its communication totals by kind (seconds, bytes)."""
 
     rank: int
     tp_rank: int
     pp_rank: int
     forward: Histo = field(default_factory=Histo)
+    comm_s: dict[str, float] = field(default_factory=dict)
+    comm_bytes: dict[str, int] = field(default_factory=dict)
 
     def copy(self) -> RankTimes:
-        return RankTimes(self.rank, self.tp_rank, self.pp_rank, self.forward.copy())
+        return RankTimes(self.rank, self.tp_rank, self.pp_rank, self.forward.copy(), dict(self.comm_s),
+                         dict(self.comm_bytes))
 
 
 class ForwardTimer:
@@ -100,8 +104,13 @@ class RankStats:
         self.ranks = [RankTimes(r, r % tp, r // tp) for r in range(tp * pp)]
         self.skew = Histo()
 
-    def add_step(self, forward_s: list[float | None]) -> None:
-        """One step's forward seconds, indexed by rank (a None: not measured, the step is skipped)."""
+    def add_step(self, forward_s: list[float | None], comm: list[dict[str, tuple[float, int]]]) -> None:
+        """One step's forward seconds and communication by kind, indexed by rank (a forward time of
+        None: not measured, left out of the histograms)."""
+        for times, kinds in zip(self.ranks, comm, strict=True):
+            for kind, (sec, nbytes) in kinds.items():
+                times.comm_s[kind] = times.comm_s.get(kind, 0.0) + sec
+                times.comm_bytes[kind] = times.comm_bytes.get(kind, 0) + nbytes
         if None in forward_s:
             return
         for times, sec in zip(self.ranks, forward_s, strict=True):
@@ -124,6 +133,18 @@ def rank_metrics(s):
     for r in ranks:
         forward.add_metric([str(r.rank), str(r.tp_rank), str(r.pp_rank)], r.forward.buckets(), r.forward.total)
     yield forward
+    seconds = CounterMetricFamily("kvrelay:parallel_rank_comm_seconds", "Each rank's communication time by kind "
+                                  "(all_reduce, all_gather, send_recv; on CUDA launch time only).",
+                                  labels=["rank", "tp_rank", "pp_rank", "kind"])
+    nbytes = CounterMetricFamily("kvrelay:parallel_rank_comm_bytes", "Each rank's bytes communicated by kind.",
+                                 labels=["rank", "tp_rank", "pp_rank", "kind"])
+    for r in ranks:
+        for kind in sorted(r.comm_s):
+            labels = [str(r.rank), str(r.tp_rank), str(r.pp_rank), kind]
+            seconds.add_metric(labels, r.comm_s[kind])
+            nbytes.add_metric(labels, r.comm_bytes.get(kind, 0))
+    yield seconds
+    yield nbytes
     skew = HistogramMetricFamily("kvrelay:parallel_rank_skew_seconds",
                                  "Per step: the slowest rank's forward time minus the fastest's.")
     skew.add_metric([], s.parallel_skew.buckets(), s.parallel_skew.total)

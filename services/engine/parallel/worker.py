@@ -257,13 +257,13 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
             else:
                 logits = model.compute_logits(batch, hidden, residual)
         forward_s = timer.stop()
-        # Every rank replies to every step with its forward time (kvrelay:parallel_rank_forward_seconds);
-        # TP rank 0 of the last stage adds the logits, its step time and its communication.
+        # Every rank replies to every step with its forward time (kvrelay:parallel_rank_forward_seconds)
+        # and its communication.
+        # TP rank 0 of the last stage adds the logits and its step time.
         if replies:
             logits = logits.cpu().numpy()
             reply = (logits, time.perf_counter() - started, COMM.take(), forward_s)
         else:
-            COMM.take()
-            reply = (None, None, None, forward_s)
+            reply = (None, None, COMM.take(), forward_s)
         conn.send_bytes(encode(("logits", rank, reply)))
     dist.destroy_process_group()
