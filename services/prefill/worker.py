@@ -140,8 +140,8 @@ class PrefillWorker(HandoffSender, EngineThreadSide, WorkerBase, prefill_pb2_grp
         lease = Lease(lease_id=uuid.uuid4().hex, request_id=start.request_id, num_tokens=len(ids),
                       task=asyncio.current_task())
         h = Handoff(lease, asyncio.Queue(), asyncio.get_running_loop(), num_blocks=num_blocks,
-                     max_message_bytes=max_msg, first_block=start.num_cached_blocks,
-                     client_request_id=dict(context.invocation_metadata() or ()).get("x-request-id", ""))
+                    max_message_bytes=max_msg, first_block=start.num_cached_blocks,
+                    client_request_id=dict(context.invocation_metadata() or ()).get("x-request-id", ""))
         if start.HasField("shm"):
             h.shm = self._open_shm(start.shm, h.num_blocks - h.first_block)
             if h.shm is not None and start.shm.doorbell:
