@@ -42,6 +42,7 @@ class Handoff:
     block_table: list[int] = dataclasses.field(default_factory=list)  # of the last gather (engine thread)
     started_at: float = 0.0  # when the prefill was submitted (monotonic)
     interrupt: tuple | None = None  # the first _interrupt's event, acted on before queued chunks
+    prompt_logprobs: list | None = None  # the prefill's, when the request asked for them
 
 
 class PipelinedWriter:

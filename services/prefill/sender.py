@@ -11,7 +11,7 @@ import time
 
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.kvtransfer.chunk_wire import encode_chunk_message, payload_size, place_chunk
-from kvrelay.kvtransfer.convert import logprob_to_proto
+from kvrelay.kvtransfer.convert import add_prompt_logprobs, logprob_to_proto
 from kvrelay.kvtransfer.layout import chunk_header
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.prefill.handoff import Handoff, PipelinedWriter
@@ -120,6 +120,10 @@ class HandoffSender:
             prefill_seconds=time.monotonic() - h.started_at, has_logprob=bool(out.logprobs))
         if out.logprobs:
             done.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
+        prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else h.prompt_logprobs
+        if prompt_lps is not None:
+            done.has_prompt_logprobs = True
+            add_prompt_logprobs(done.prompt_logprobs, prompt_lps)
         return done
     def _transfer_end(self, h: Handoff, ev: tuple) -> float:
         """When the decode worker had every chunk written: a doorbell ack's stamp (one node, one

@@ -41,6 +41,7 @@ from kvrelay.kvtransfer.layout import KVLayout, check_layout, plan_chunks
 from kvrelay.kvtransfer.leases import Lease, LeaseTable
 from kvrelay.kvtransfer.mooncake import MooncakeWriter
 from kvrelay.kvtransfer.planes import open_remote
+from kvrelay.kvtransfer.prompt_logprobs_wire import PREFILL_HOP, check_prompt_logprobs_fit
 from kvrelay.kvtransfer.shm import SharedKVCache, ShmOpener
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.worker_base import WorkerBase, WorkerOptions
@@ -132,6 +133,11 @@ class PrefillWorker(HandoffSender, EngineThreadSide, WorkerBase, prefill_pb2_grp
             plan_chunks(self.layout, 0, 1, 1, max_msg)
         except ValueError as e:
             await abort_with(context, InvalidRequestError(f"max_message_bytes: {e}", "max_message_bytes"))
+        if params.prompt_logprobs is not None:  # they go in one message: refuse before computing
+            try:
+                check_prompt_logprobs_fit(len(ids), params.prompt_logprobs, max_msg, PREFILL_HOP)
+            except InvalidRequestError as e:
+                await abort_with(context, e)
         num_blocks = -(-len(ids) // self.layout.block_size)
         if start.num_cached_blocks > len(ids) // self.layout.block_size:
             await abort_with(context, InvalidRequestError(
@@ -144,7 +150,9 @@ class PrefillWorker(HandoffSender, EngineThreadSide, WorkerBase, prefill_pb2_grp
                     client_request_id=dict(context.invocation_metadata() or ()).get("x-request-id", ""))
         if start.HasField("shm"):
             h.shm = self._open_shm(start.shm, h.num_blocks - h.first_block)
-            if h.shm is not None and start.shm.doorbell:
+            # Doorbell frames hold headers only and are sent without blocking: PrefillDone with
+            # prompt logprobs (up to a message's size) goes on the stream instead.
+            if h.shm is not None and start.shm.doorbell and params.prompt_logprobs is None:
                 h.doorbell = self.doorbells.connect(start.shm.doorbell)
                 self.metrics.doorbells.labels("connected" if h.doorbell is not None else "unreachable").inc()
                 if h.doorbell is not None:
@@ -203,7 +211,8 @@ class PrefillWorker(HandoffSender, EngineThreadSide, WorkerBase, prefill_pb2_grp
             out = None
             async for out in self.engine.generate(ids, params, lease.lease_id, priority, hold_blocks=True,
                                                   cache_salt=cache_salt):
-                pass
+                if out.prompt_logprobs is not None:
+                    h.prompt_logprobs = out.prompt_logprobs
             if out is None or not out.new_token_ids:
                 raise EngineDeadError(f"the prefill ended without a token ({out and out.finish_reason})")
             lease.compute_done = True
