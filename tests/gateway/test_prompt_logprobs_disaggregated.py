@@ -109,4 +109,7 @@ def test_vllm_prompt_logprobs_equal_the_single_process(cluster, open_gateway):
             "temperature": 0.0, "extra_body": {"prompt_logprobs": 0}}
     assert_close(remote.chat.completions.create(**chat).choices[0].model_extra["prompt_logprobs"],
                  local.chat.completions.create(**chat).choices[0].model_extra["prompt_logprobs"], "chat")
+    # n > 1 is prefilled on the decode worker, which then scores the prompt itself: the same lists.
+    got = [c.model_extra["prompt_logprobs"] for c in remote.chat.completions.create(**chat, n=2).choices]
+    assert_close(got, [c.model_extra["prompt_logprobs"] for c in local.chat.completions.create(**chat, n=2).choices])
 
