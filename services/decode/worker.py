@@ -11,10 +11,10 @@ layout mismatch or a full cache is the caller's to fix and is reported, not retr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -35,6 +35,7 @@ from kvrelay.kvtransfer.errors import (
 from kvrelay.kvtransfer.layout import DirectChunk, ReceivedChunk
 from kvrelay.kvtransfer.planes import BUILTIN as BUILTIN_PLANES
 from kvrelay.kvtransfer.planes import builtin_transport
+from kvrelay.kvtransfer.prompt_logprobs_wire import DECODE_HOP, check_prompt_logprobs_fit
 from kvrelay.kvtransfer.shm import DOORBELL_SUFFIX, ShmArena, SourceCaches
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.transport import GrpcKVTransport, HandoffRequest, KVDestination, KVTransport
@@ -45,7 +46,7 @@ from kvrelay.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
+@dataclasses.dataclass(eq=False)
 class _Request:
     request_id: str
     handoff_task: asyncio.Task | None = None  # the KV pull in progress
@@ -54,6 +55,7 @@ class _Request:
     cache_salt: str | None = None  # prefix-cache salt, hashed alike here and on the prefill worker
     deadline: float | None = None  # the caller's gRPC deadline (time.monotonic()), passed on to prefill calls
     client_request_id: str = ""  # the client's X-Request-Id (call metadata), logged and passed on
+    prompt_logprobs: list | None = None  # from the prefill worker, until the first output carries them
 
 
 class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
@@ -130,6 +132,9 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
             params = params_from_proto(request.params)
             prompt = request.text if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
             ids = self.engine.engine.tokenize_prompt(prompt)
+            if params.prompt_logprobs is not None:  # they reach the client in one message
+                check_prompt_logprobs_fit(len(ids), params.prompt_logprobs, self.options.max_message_bytes,
+                                          DECODE_HOP)
             outputs = self._serve(req, ids, params, request.priority, list(request.prefill_addrs),
                                   request.allow_local_prefill)
             async for out in outputs:
@@ -163,16 +168,21 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
     async def _serve(self, req: _Request, ids: list[int], params, priority: int, prefill_addrs: list[str],
                      allow_local: bool):
         if params.n == 1 and prefill_addrs:
+            # The prefill worker scores the prompt; this engine never computes it (and so may use
+            # its prefix cache for it): the prefill worker's prompt logprobs go out with the first output.
+            local = params if params.prompt_logprobs is None else dataclasses.replace(params, prompt_logprobs=None)
             errors = []
             for i, addr in enumerate(prefill_addrs):
                 try:
                     finished = False
                     async for out in self.engine.generate_prefilled(
-                            ids, params, req.request_id, priority,
+                            ids, local, req.request_id, priority,
                             lambda blocks, cached, addr=addr: self._load_kv(req, addr, ids, params, priority,
                                                                             blocks, cached),
                             cache_salt=req.cache_salt):
                         finished = out.finished
+                        if req.prompt_logprobs is not None and (out.new_token_ids or out.finished):
+                            out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
                         yield out
                     if not finished:  # aborted between the last write and activation
                         yield self._aborted_output(req, ids)
@@ -204,7 +214,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         if req.aborted:
             yield self._aborted_output(req, ids)
             return
-        req.num_cached_tokens = None
+        req.num_cached_tokens = req.prompt_logprobs = None  # this engine scores the prompt itself
         async for out in self.engine.generate(ids, params, req.request_id, priority, cache_salt=req.cache_salt):
             yield out
 
@@ -237,6 +247,9 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         if result.seconds > 0:
             m.kv_speed.observe(result.bytes / result.seconds / 1e9)
         m.kv_handoffs.labels("ack").inc()
+        if params.prompt_logprobs is not None and result.prompt_logprobs is None:  # e.g. a plugin transport
+            raise PrefillFailedError(f"the {result.plane} hand-off brought no prompt logprobs")
+        req.prompt_logprobs = result.prompt_logprobs
         req.num_cached_tokens = result.num_cached_tokens
         return result.first_token, result.first_logprob
 

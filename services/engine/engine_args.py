@@ -190,6 +190,26 @@ class EngineArgs:
             "$KVRELAY_PLUGINS, else every installed one)",
         )
 
+    @staticmethod
+    def cli_flags(args: argparse.Namespace) -> list[str]:
+        """The engine flags of args that differ from their defaults, as argv: what `serve
+        --disaggregated` hands its local workers, so every engine option reaches them."""
+        parser = argparse.ArgumentParser(add_help=False)
+        EngineArgs.add_cli_args(parser)
+        argv: list[str] = []
+        for action in parser._actions:  # argparse has no public iterator over its options
+            value = getattr(args, action.dest, action.default)
+            if value == action.default or value is None:
+                continue
+            flag = action.option_strings[0]
+            if isinstance(action, argparse.BooleanOptionalAction):
+                argv.append(flag if value else "--no-" + flag[2:])
+            elif action.nargs == 0:  # store_true / store_false: present means "not the default"
+                argv.append(flag)
+            else:
+                argv += [flag, str(value)]
+        return argv
+
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)})

@@ -7,25 +7,22 @@ from __future__ import annotations
 
 import json
 import logging
-import random
-import secrets
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from kvrelay.engine import logits_processors
-from kvrelay.engine.block_pool import BlockPool, cache_root
-from kvrelay.engine.detokenizer import IncrementalDetokenizer
+from kvrelay.engine.block_pool import BlockPool
 from kvrelay.engine.engine_args import EngineArgs, cpu_kv_cache_blocks
-from kvrelay.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from kvrelay.engine.errors import InvalidRequestError, ModelLoadError
 from kvrelay.engine.handoff import HandoffMixin
 from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
 from kvrelay.engine.model_config import load_model_config, parse_dtype
 from kvrelay.engine.model_loader import load_model
-from kvrelay.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from kvrelay.engine.outputs import EngineStats, RequestOutput
 from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
+from kvrelay.engine.request_builder import RequestBuilderMixin
 from kvrelay.engine.runner.cuda_graphs import bucket_sizes
 from kvrelay.engine.runner.memory import plan_kv_cache
 from kvrelay.engine.runner.model_runner import ModelRunner
@@ -37,7 +34,6 @@ from kvrelay.engine.spec_decode.draft import DraftModel, kv_bytes_per_block, loa
 from kvrelay.engine.spec_decode.speculator import SpecConfig, Speculator, check_config
 from kvrelay.engine.spec_decode.verify import verify
 from kvrelay.engine.structured.compiler import compiler_for
-from kvrelay.engine.structured.mask import GrammarState
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.kernels.registry import cpu_backend, get_ops
 
@@ -67,7 +63,7 @@ def _window_of_every_layer(windows: tuple[int | None, ...]) -> int | None:
     return None if not windows or None in windows else max(windows)
 
 
-class LLMEngine(HandoffMixin):
+class LLMEngine(RequestBuilderMixin, HandoffMixin):
     def __init__(self, args: EngineArgs, kv_cache_storage: Callable[[int], torch.Tensor] | None = None):
         """kv_cache_storage(nbytes): zeroed host memory for the KV cache as a uint8 tensor, where
         it must live somewhere shared (a prefill worker's kvtransfer.shm.SharedKVCache); CPU only."""
@@ -223,101 +219,6 @@ class LLMEngine(HandoffMixin):
 
     def default_sampling_params(self) -> SamplingParams:
         return defaults_from_generation_config(self.generation_config)
-
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt: must not be empty", field="prompt")
-            return self.tokenizer.encode_prompt(prompt)
-        if not isinstance(prompt, list) or not prompt:
-            raise InvalidRequestError(
-                "prompt: must be a non-empty string or list of token ids", field="prompt"
-            )
-        vocab = self.config.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequestError(
-                    f"prompt: token id {t!r} is not an integer in [0, {vocab})", field="prompt"
-                )
-        return list(prompt)
-
-    def make_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-        hold_blocks: bool = False,
-        cache_salt: str | None = None,
-    ) -> list[Sequence]:
-        """Validate and build the request's sequences; raises before anything is scheduled.
-
-        hold_blocks (prefill side of a hand-off): keep the blocks after finishing until release().
-        cache_salt: requests share cached prefix blocks only with requests of the same salt.
-        """
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError(f"priority: must be an integer, got {priority!r}", field="priority")
-        params.validate(self.config.vocab_size)
-        logits_processors.validate(params.logits_processors)
-        ids = self.tokenize_prompt(prompt)
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise PromptTooLongError(
-                f"prompt: {len(ids)} tokens, but the context holds {limit} tokens including at least one to "
-                f"generate",
-                num_tokens=len(ids),
-                limit=limit - 1,
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
-        if len(ids) + max_tokens > limit:
-            raise InvalidRequestError(
-                f"max_tokens: {max_tokens} new tokens plus {len(ids)} prompt tokens exceed the context of "
-                f"{limit} tokens; ask for at most {limit - len(ids)}",
-                field="max_tokens",
-            )
-        now = time.monotonic()
-        bias = None
-        if params.logit_bias:  # built once here, not on every sampling step
-            bias = (torch.tensor(list(params.logit_bias), dtype=torch.int64, device=self.device),
-                    torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device))
-        if params.prompt_logprobs is not None:  # every position must be computed: no prefix-cache hits
-            cache_salt = f"{cache_salt or ''}\x00prompt-logprobs:{secrets.token_hex(8)}"
-        root = cache_root(cache_salt)
-        # A cache hit when the caller compiled off this thread first (AsyncEngine does).
-        grammar = self.grammars.get(params.structured) if params.structured is not None else None
-        seqs = []
-        for index in range(params.n):
-            seed = params.seed + index if params.seed is not None else secrets.randbits(62)
-            seq = Sequence(
-                seq_id=self._next_seq_id,
-                request_id=request_id,
-                index=index,
-                token_ids=list(ids),
-                prompt_len=len(ids),
-                params=params,
-                priority=priority,
-                max_tokens=max_tokens,
-                detok=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens),
-                metrics=RequestMetrics(arrival_time=now),
-                rng=None if params.greedy else random.Random(seed),
-                wait_for=seqs[0] if seqs else None,
-                hold_blocks=hold_blocks,
-                cache_root=root,
-                # ignore_eos drops EOS only; explicit stop_token_ids still apply. A grammar's end is
-                # EOS (the only token its mask then allows): constrained output always stops there.
-                stop_ids=frozenset(params.stop_token_ids)
-                | (frozenset() if params.ignore_eos and grammar is None else self.eos_ids),
-                logit_bias=bias,
-                adjusts_logits=params.repetition_penalty != 1.0 or bool(params.presence_penalty)
-                or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0
-                or bool(params.logits_processors),
-                processors=logits_processors.instantiate(params.logits_processors),
-                grammar=None if grammar is None else GrammarState(grammar.deep_copy(), self.tokenizer.vocab_size),
-                prompt_lps=[None] * (len(ids) - 1) if params.prompt_logprobs is not None and index == 0 else None,
-            )
-            self._next_seq_id += 1
-            seqs.append(seq)
-        return seqs
 
     def add(self, seqs: list[Sequence]) -> None:
         self.requests[seqs[0].request_id] = seqs

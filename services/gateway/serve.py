@@ -258,15 +258,7 @@ def load_tenants(args: argparse.Namespace) -> TenantRegistry:
 def start_worker(role: str, args: argparse.Namespace, port: int = 0) -> subprocess.Popen:
     """`kvrelay prefill|decode` on loopback (port 0: any free port); returns once it listens."""
     cmd = [sys.executable, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", str(port),
-           "--model", args.model, "--max-num-seqs", str(args.max_num_seqs)]
-    if args.kv_cache_memory is not None:
-        cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    if args.served_model_name:
-        cmd += ["--served-model-name", args.served_model_name]
-    cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size),
-            "--pipeline-parallel-size", str(args.pipeline_parallel_size)]
-    if getattr(args, "pipeline_overlap", None) is not None:
-        cmd += ["--pipeline-overlap" if args.pipeline_overlap else "--no-pipeline-overlap"]
+           *EngineArgs.cli_flags(args)]
     if role == "decode":
         cmd += ["--kv-shm-bytes", str(args.kv_shm_bytes)]
     elif args.kv_shared_cache and args.kv_shm_bytes:

@@ -26,6 +26,7 @@ from kvrelay.kvtransfer.errors import WorkerUnavailableError
 from kvrelay.kvtransfer.grpc_options import channel_options
 from kvrelay.kvtransfer.layout import DEFAULT_MAX_MESSAGE_BYTES
 from kvrelay.kvtransfer.load import LoadReport
+from kvrelay.kvtransfer.prompt_logprobs_wire import DECODE_HOP, check_prompt_logprobs_fit
 from kvrelay.kvtransfer.status import error_from_rpc
 from kvrelay.v1 import (
     common_pb2,
@@ -43,6 +44,7 @@ __all__ = ["DecodeClient", "LoadReport", "PrefillClient", "watch_load"]
 class _Client:
     def __init__(self, addr: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.addr = addr
+        self.max_message_bytes = max_message_bytes
         self._channel = grpc.aio.insecure_channel(addr, options=channel_options(max_message_bytes + 65536))
 
     async def close(self) -> None:
@@ -77,6 +79,8 @@ class DecodeClient(_Client):
         itself when every prefill worker failed. timeout_s: the call's gRPC deadline (the decode
         worker passes what is left of it to its prefill call; DeadlineExceededError on expiry)."""
         request_id = request_id or uuid.uuid4().hex
+        if params.prompt_logprobs is not None and not isinstance(prompt, str):  # before the worker computes them
+            check_prompt_logprobs_fit(len(prompt), params.prompt_logprobs, self.max_message_bytes, DECODE_HOP)
         addrs = [prefill_addr] if isinstance(prefill_addr, str) else list(prefill_addr or [])
         req = decode_pb2.GenerateRequest(request_id=request_id, params=params_to_proto(params), priority=priority,
                                          prefill_addrs=addrs, allow_local_prefill=allow_local_prefill,

@@ -10,18 +10,16 @@ from kvrelay.v1 import common_pb2
 
 _PLAIN = ("n", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
           "presence_penalty", "frequency_penalty", "ignore_eos", "skip_special_tokens")
+_OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
 
 
 def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     if p.logits_processors:  # the wire has no field for them yet: refuse rather than drop them
         raise InvalidRequestError("logits_processors: not supported across a prefill/decode hand-off yet",
                                   field="logits_processors")
-    if p.prompt_logprobs is not None:  # the prefill worker computes the prompt: it would have to send them
-        raise InvalidRequestError("prompt_logprobs: not supported across a prefill/decode hand-off yet (echo with "
-                                  "logprobs needs them)", field="prompt_logprobs")
     msg = common_pb2.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
                                     **{k: getattr(p, k) for k in _PLAIN})
-    for k in ("max_tokens", "seed", "logprobs"):
+    for k in _OPTIONAL:
         if getattr(p, k) is not None:
             setattr(msg, k, getattr(p, k))
     if p.logit_bias:
@@ -36,7 +34,7 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     p = SamplingParams(**{k: getattr(msg, k) for k in _PLAIN})
     p.stop = list(msg.stop)
     p.stop_token_ids = list(msg.stop_token_ids)
-    for k in ("max_tokens", "seed", "logprobs"):
+    for k in _OPTIONAL:
         setattr(p, k, getattr(msg, k) if msg.HasField(k) else None)
     p.logit_bias = dict(msg.logit_bias) or None
     if msg.HasField("structured"):
@@ -55,6 +53,22 @@ def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top])
 
 
+def add_prompt_logprobs(field, lps: list[TokenLogprob | None]) -> None:
+    """Fill a repeated TokenLogprob field with prompt positions 1, 2, ... (position 0 has no
+    logprob); positions never scored, only ever at the end (an output of a request aborted
+    mid-prompt), are left off."""
+    for lp in lps[1:]:
+        if lp is None:
+            break
+        field.append(logprob_to_proto(lp))
+
+
+def prompt_logprobs_from_proto(field, num_prompt_tokens: int) -> list[TokenLogprob | None]:
+    """The engine's list again: None for position 0 and for every position not carried."""
+    lps: list[TokenLogprob | None] = [None, *(logprob_from_proto(lp) for lp in field)]
+    return lps + [None] * (num_prompt_tokens - len(lps))
+
+
 def output_to_proto(out: RequestOutput, num_cached_tokens: int | None = None) -> common_pb2.RequestOutput:
     msg = common_pb2.RequestOutput(
         request_id=out.request_id, index=out.index, new_token_ids=out.new_token_ids, text=out.text,
@@ -64,6 +78,9 @@ def output_to_proto(out: RequestOutput, num_cached_tokens: int | None = None) ->
     )
     if out.logprobs:
         msg.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs)
+    if out.prompt_logprobs is not None:
+        msg.has_prompt_logprobs = True
+        add_prompt_logprobs(msg.prompt_logprobs, out.prompt_logprobs)
     if isinstance(out.stop_reason, str):
         msg.stop_string = out.stop_reason
     elif isinstance(out.stop_reason, int):
@@ -80,4 +97,6 @@ def output_from_proto(msg: common_pb2.RequestOutput) -> RequestOutput:
         stop_reason=getattr(msg, which) if which else None,
         num_prompt_tokens=msg.num_prompt_tokens, num_generated_tokens=msg.num_generated_tokens,
         num_cached_tokens=msg.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs_from_proto(msg.prompt_logprobs, msg.num_prompt_tokens)
+        if msg.has_prompt_logprobs else None,
     )

@@ -52,7 +52,9 @@ from kvrelay.kvtransfer.layout import (
     ReceivedChunk,
     check_layout,
 )
+from kvrelay.kvtransfer.prompt_logprobs_wire import received_prompt_logprobs
 from kvrelay.kvtransfer.shm import Region, ShmArena, SourceCaches
+from kvrelay.kvtransfer.status import error_from_rpc
 
 if TYPE_CHECKING:
     from kvrelay.kvtransfer.cuda_ipc import CudaIpcSources
@@ -94,6 +96,8 @@ class HandoffResult:
     bytes_before_compute_done: int
     prefill_seconds: float
     plane: str = "grpc"  # where the bytes went: grpc (inline), shm (region, doorbell or direct), mooncake, cuda-ipc
+    # The prompt's logprobs (None first), when the request asked for them (prompt_logprobs_wire).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class KVTransport(abc.ABC):
@@ -105,10 +109,7 @@ class KVTransport(abc.ABC):
         """Release connections."""
 
 
-_ERRORS_FROM_PREFILL = {
-    grpc.StatusCode.FAILED_PRECONDITION: LayoutMismatchError,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
-}
+_ERRORS_FROM_PREFILL = {grpc.StatusCode.FAILED_PRECONDITION: LayoutMismatchError}  # else PrefillFailedError
 
 
 class GrpcKVTransport(KVTransport):
@@ -182,8 +183,10 @@ class GrpcKVTransport(KVTransport):
             done_ok = True  # PrefillDone came after the last chunk: nothing more is placed
             return result
         except grpc.aio.AioRpcError as e:
-            err = _ERRORS_FROM_PREFILL.get(e.code(), PrefillFailedError)
-            raise err(f"prefill worker {prefill_addr}: {e.code().name}: {e.details()}") from None
+            why = f"prefill worker {prefill_addr}: {e.code().name}: {e.details()}"
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # keeps the field it named (a 400 body's param)
+                raise InvalidRequestError(why, error_from_rpc(e, prefill_addr).field) from None
+            raise _ERRORS_FROM_PREFILL.get(e.code(), PrefillFailedError)(why) from None
         except TimeoutError:
             raise PrefillFailedError(f"prefill worker {prefill_addr}: no complete hand-off within "
                                      f"{timeout_s:.1f} s") from None
@@ -255,7 +258,7 @@ class GrpcKVTransport(KVTransport):
         if header.doorbell:
             if attempt.doorbell is None:
                 raise ChunkError("prefill worker chose the doorbell, which this decode worker did not offer")
-            return await self._await_doorbell(call, attempt, verifier)
+            return await self._await_doorbell(call, attempt, verifier, request)
         if attempt.doorbell is not None:  # the prefill worker cannot reach the socket: the stream carries all
             self.doorbell.unregister(attempt.doorbell)
             attempt.doorbell = None
@@ -276,6 +279,7 @@ class GrpcKVTransport(KVTransport):
                 elif kind == "done":
                     await writer.drain()
                     verifier.check_complete()
+                    prompt_lps = _prompt_logprobs(msg.done, request)
                     await call.write(kv_pb2.PrefillClientMessage(ack=kv_pb2.PrefillAck()))
                     await call.done_writing()
                     done = msg.done
@@ -285,7 +289,7 @@ class GrpcKVTransport(KVTransport):
                         num_cached_tokens=done.num_cached_tokens, bytes=verifier.bytes,
                         seconds=time.monotonic() - (t0 or time.monotonic()),
                         bytes_before_compute_done=done.bytes_before_compute_done,
-                        prefill_seconds=done.prefill_seconds, plane=plane)
+                        prefill_seconds=done.prefill_seconds, plane=plane, prompt_logprobs=prompt_lps)
                 elif kind == "aborted":
                     raise PrefillFailedError(f"prefill worker aborted the hand-off: {msg.aborted.reason}")
                 else:
@@ -314,12 +318,14 @@ class GrpcKVTransport(KVTransport):
         self.doorbell.register(h)
         return h
 
-    async def _await_doorbell(self, call, attempt: _Attempt, verifier: ChunkVerifier) -> HandoffResult:
+    async def _await_doorbell(self, call, attempt: _Attempt, verifier: ChunkVerifier,
+                              request: HandoffRequest) -> HandoffResult:
         """The chunks and PrefillDone come on the doorbell, written on the engine thread; the
         stream can only end the hand-off early (aborted, closed, broken)."""
         h = attempt.doorbell
         attempt.watcher = asyncio.create_task(_watch_stream(call, h))
         done = await h.future
+        prompt_lps = _prompt_logprobs(done, request)
         # The doorbell acked from the engine thread already; this ack covers a lost one.
         with contextlib.suppress(Exception):  # the call may have ended on that first ack
             await call.write(kv_pb2.PrefillClientMessage(ack=kv_pb2.PrefillAck()))
@@ -330,7 +336,7 @@ class GrpcKVTransport(KVTransport):
             num_cached_tokens=done.num_cached_tokens, bytes=verifier.bytes,
             seconds=h.written_at - (h.first_chunk_at or h.written_at),  # both set before the future resolves
             bytes_before_compute_done=done.bytes_before_compute_done, prefill_seconds=done.prefill_seconds,
-            plane="shm")
+            plane="shm", prompt_logprobs=prompt_lps)
 
 
 @dataclass(eq=False)
@@ -377,6 +383,13 @@ class _ShmReader:
                              f"end within the region's {len(self.view)} B")
         self.next += chunk.shm_size
         return self.view[chunk.shm_offset:self.next]
+
+
+def _prompt_logprobs(done: kv_pb2.PrefillDone, request: HandoffRequest) -> list[TokenLogprob | None] | None:
+    try:
+        return received_prompt_logprobs(done, request.prompt_ids, request.params.prompt_logprobs)
+    except ValueError as e:  # another prefill worker, or a local prefill, can still score the prompt
+        raise PrefillFailedError(str(e)) from None
 
 
 async def _read(call) -> ServerMessage:

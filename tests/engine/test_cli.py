@@ -64,3 +64,21 @@ def test_env_reports_what_a_bug_report_needs():
                                     "kvrelay.kv_transports", "kvrelay.gateway_hooks"}
     text = kvrelay("env").stdout
     assert "native_cpu_kernels:" in text and "flags:" in text
+
+
+def test_cli_flags_carry_every_non_default_engine_option():
+    """serve --disaggregated rebuilds its workers' engine flags from these: a round trip loses nothing."""
+    import argparse
+
+    from kvrelay.engine.engine_args import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    argv = ["--dtype", "bfloat16", "--kv-cache-memory", "8MiB", "--no-prefix-caching", "--enable-expert-parallel",
+            "-tp", "2", "--no-pipeline-overlap", "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+            "--quantization", "int8", "--max-num-seqs", "7"]
+    args = parser.parse_args(argv)
+    flags = EngineArgs.cli_flags(args)
+    assert EngineArgs.from_cli(parser.parse_args(flags)) == EngineArgs.from_cli(args)
+    assert "--enable-expert-parallel" in flags and "--no-prefix-caching" in flags
+    assert EngineArgs.cli_flags(parser.parse_args([])) == []  # defaults stay implicit

@@ -76,6 +76,6 @@ def test_required_tool_call_and_prompt_logprobs_through_the_workers(cluster):
                                        parallel_tool_calls=False, temperature=1.0, seed=4, max_tokens=80)
     (call,) = r.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-    with pytest.raises(openai.BadRequestError) as e:  # not carried across the hand-off yet
-        remote.completions.create(model=MODEL, prompt="Once", echo=True, logprobs=1, max_tokens=0)
-    assert e.value.body["param"] == "prompt_logprobs"
+    scored = remote.completions.create(model=MODEL, prompt="Once upon a time", echo=True, logprobs=1, max_tokens=0)
+    lp = scored.choices[0].logprobs  # scored on the prefill worker (test_prompt_logprobs_disaggregated.py)
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) > 2 and all(lp.token_logprobs[1:])

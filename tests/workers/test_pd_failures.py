@@ -206,7 +206,7 @@ async def test_layout_mismatch_is_rejected_before_any_block_is_written(mismatch,
 async def test_corrupted_chunk_is_detected_never_used(monkeypatch):
     """A chunk whose bytes changed in transit fails its checksum; the decode worker drops the
     attempt (freeing its blocks) and prefills locally; with local prefill off it is an error."""
-    import kvrelay.prefill.worker as prefill_worker
+    import kvrelay.prefill.sender as prefill_sender
     from kvrelay.kvtransfer.chunk_wire import encode_chunk_message
 
     def corrupting_encode(header, t):
@@ -215,7 +215,7 @@ async def test_corrupted_chunk_is_detected_never_used(monkeypatch):
             wire = wire[:-1] + bytes([wire[-1] ^ 1])
         return wire
 
-    monkeypatch.setattr(prefill_worker, "encode_chunk_message", corrupting_encode)
+    monkeypatch.setattr(prefill_sender, "encode_chunk_message", corrupting_encode)
     pair = await start_pair()
     try:
         want = await reference_tokens(PROMPT[:100], SEEDED)

@@ -59,6 +59,14 @@ def _corrupting_place(header, data, region, offset):
     return msg
 
 
+def _corrupt_placed_chunks(monkeypatch) -> None:
+    """Both places that put chunks in a region: the stream sender and the doorbell rings."""
+    from kvrelay.prefill import engine_side, sender
+
+    monkeypatch.setattr(sender, "place_chunk", _corrupting_place)
+    monkeypatch.setattr(engine_side, "place_chunk", _corrupting_place)
+
+
 def _offers(pair, outcome: str) -> float:
     return pair.prefill.metrics.shm_offers.labels(outcome)._value.get()
 
@@ -128,9 +136,7 @@ async def test_inline_fallback_when_the_offer_cannot_be_used(tmp_path, why):
 async def test_corrupted_shm_chunk_is_detected_never_used(tmp_path, monkeypatch):
     """Bytes changed in the region after the prefill worker hashed them fail the checksum; the
     decode worker drops the attempt and prefills locally."""
-    import kvrelay.prefill.worker as prefill_worker
-
-    monkeypatch.setattr(prefill_worker, "place_chunk", _corrupting_place)
+    _corrupt_placed_chunks(monkeypatch)
     pair = await _shm_pair(tmp_path)
     try:
         want = await reference_tokens(PROMPT[:100], SEEDED)
@@ -154,7 +160,7 @@ async def test_region_waits_out_a_quarantine_when_the_prefill_worker_never_confi
             pass
         await asyncio.Event().wait()
 
-    monkeypatch.setattr(prefill_worker, "place_chunk", _corrupting_place)
+    _corrupt_placed_chunks(monkeypatch)
     monkeypatch.setattr(prefill_worker.PrefillWorker, "_read_decode_side", deaf_reader)
     pair = await _shm_pair(tmp_path)
     pair.decode.transport.shm_quarantine_s = 1.0
