@@ -283,6 +283,8 @@ def run_disaggregated(args: argparse.Namespace) -> int:
     from kvrelay.gateway.cluster import build_backend
     from kvrelay.gateway.supervisor import RestartPolicy, Supervisor
 
+    if getattr(args, "nnodes", 1) > 1:  # two local engines cannot both be node 0 of one rendezvous
+        raise SystemExit("kvrelay serve --disaggregated: --nnodes > 1 is for one engine (serve, prefill or decode)")
     supervisor = Supervisor(["prefill", "decode"], lambda role, port: start_worker(role, args, port),
                             RestartPolicy(max_restarts=args.max_worker_restarts))
     try:
