@@ -18,7 +18,10 @@ Runs on a bare GPU machine with torch, triton and transformers: kvrelay is mappe
 - handoff: prefill/decode hand-off TTFT at 512-4000 tokens, unified vs K/V on gRPC vs the CUDA IPC
   plane (benchmarks/gpu_handoff.py);
 - moe: a Mixtral-shaped model (8 experts, top-2) with graphs, eager and the torch MoE reference
-  (benchmarks/gpu_moe.py).
+  (benchmarks/gpu_moe.py);
+- parallel: stories260K greedy through the tensor/pipeline worker path (torch.distributed, NCCL) at
+  world size 1 (--distributed-executor-backend mp), and at TP=2 and PP=2 when there are 2+ GPUs,
+  against the in-process engine.
 Each section reports its own failure and the run goes on; the summary comes last. With $OUT set, the
 figures also go to $OUT/gpu_engine.json.
 """
@@ -131,6 +134,28 @@ def section_parity(rep: Report, device: str, smoke: bool) -> None:
         rep.add(f"parity_{name}", {"identical": same, "of": len(PROMPTS), "graph_steps": graph_steps},
                 f"parity stories260K greedy, {device} {name}: {same}/{len(PROMPTS)} identical to CPU torch "
                 f"({graph_steps} graph steps)")
+
+
+def section_parallel(rep: Report, device: str, smoke: bool) -> None:
+    import torch
+    from kvrelay.models import BUNDLED_MODEL
+
+    n, kv = 32, {"kv_cache_memory": 64 * 2**20, "max_num_seqs": 16}
+    base = engine_for(BUNDLED_MODEL, device, **kv)
+    want = greedy_tokens(base, PROMPTS, n)
+    base.close()
+    configs = {"mp world size 1": {"distributed_executor_backend": "mp"}}
+    if device == "cuda" and torch.cuda.device_count() >= 2:  # one rank per GPU: NCCL refuses two on one
+        configs |= {"TP=2": {"tensor_parallel_size": 2}, "PP=2": {"pipeline_parallel_size": 2}}
+    for name, kw in configs.items():
+        engine = engine_for(BUNDLED_MODEL, device, **kv, **kw)
+        try:
+            got = greedy_tokens(engine, PROMPTS, n)
+        finally:
+            engine.close()
+        same = sum(g == w for g, w in zip(got, want))
+        rep.add(f"parallel_{name.split()[0].replace('=', '')}", {"identical": same, "of": len(PROMPTS)},
+                f"parallel stories260K greedy, {device} {name}: {same}/{len(PROMPTS)} identical to one process")
 
 
 def _prefill_all(engine, nseq: int, ctx: int, extra: int, vocab: int, seed: int) -> None:
@@ -411,7 +436,7 @@ def section_linear_kernel_only(rep: Report, ops) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: every section runs, no timing")
-    p.add_argument("--only", default="parity,step,throughput,fp8,spec,handoff,moe,kernels")
+    p.add_argument("--only", default="parity,step,throughput,fp8,spec,handoff,moe,parallel,kernels")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline (~25 s on an H200)")
     args = p.parse_args(argv)
@@ -479,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
                 run("handoff", section_handoff, rep, model_dir, vocab, device, smoke, kw)
     if "moe" in sections:
         run("moe", section_moe, rep, device, smoke)
+    if "parallel" in sections:
+        run("parallel", section_parallel, rep, device, smoke)
     if "kernels" in sections:
         run("kernels", section_kernels, rep, smoke)
 

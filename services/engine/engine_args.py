@@ -83,6 +83,9 @@ class EngineArgs:
     # shared CPU cores the stages have no cores of their own to overlap on; docs/benchmarks.md).
     pipeline_overlap: bool | None = None
     enable_expert_parallel: bool = False  # MoE: the tensor-parallel ranks hold disjoint experts
+    # vLLM's name: "mp" runs the model in worker processes (forced even at world size 1, which is
+    # how one GPU checks the parallel path), "uni" in this process; None: mp when tp×pp > 1.
+    distributed_executor_backend: str | None = None
     # Ranks on several nodes (parallel/multinode.py): this engine is node 0 of nnodes; the others run
     # `kvrelay parallel-worker`. dist_init_addr: HOST:PORT, the rendezvous (control at PORT+1).
     nnodes: int = 1
@@ -168,6 +171,11 @@ class EngineArgs:
         parser.add_argument(
             "--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
             help="split every layer over this many worker processes, one per GPU (gloo on CPU, NCCL on CUDA)",
+        )
+        parser.add_argument(
+            "--distributed-executor-backend", default=None, choices=["mp", "uni"],
+            help="mp: the model runs in worker processes over torch.distributed (also at world size 1); uni: "
+            "in this process, world size 1 only (default: mp when tensor x pipeline > 1, else uni)",
         )
         parser.add_argument(
             "--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,

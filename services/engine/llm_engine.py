@@ -106,7 +106,14 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         # --tensor/pipeline-parallel-size: worker processes hold the model and the KV cache; this
         # process keeps the scheduler and the sampler (kvrelay.engine.parallel.executor).
         self.executor = None
-        if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        world = args.tensor_parallel_size * args.pipeline_parallel_size
+        if args.distributed_executor_backend not in (None, "mp", "uni"):
+            raise ValueError(f"--distributed-executor-backend must be mp or uni, got "
+                             f"{args.distributed_executor_backend!r}")
+        if args.distributed_executor_backend == "uni" and world > 1:
+            raise ValueError(f"--distributed-executor-backend uni runs one process: it cannot hold "
+                             f"--tensor-parallel-size x --pipeline-parallel-size = {world} ranks; use mp")
+        if world > 1 or args.distributed_executor_backend == "mp":
             from kvrelay.engine.parallel.executor import start_executor
 
             self.executor = start_executor(args, self.config, self.dtype, self.device, self.ops.backend,

@@ -72,6 +72,21 @@ def test_stories_parallel_matches_one_process(stories_ref, tp, pp):
     assert not any(p.is_alive() for p in engine.executor.procs)
 
 
+def test_mp_backend_at_world_size_1_matches_one_process(stories_ref):
+    """--distributed-executor-backend mp: the worker path with one rank (what one GPU can check)."""
+    engine = make_engine(BUNDLED_MODEL, distributed_executor_backend="mp", **KV)
+    try:
+        assert len(engine.executor.pids) == 1
+        _assert_same(stories_ref, _run(engine))
+    finally:
+        engine.close()
+
+
+def test_uni_backend_refuses_several_ranks():
+    with pytest.raises(ValueError, match="uni runs one process.*= 2 ranks"):
+        make_engine(BUNDLED_MODEL, distributed_executor_backend="uni", tensor_parallel_size=2, **KV)
+
+
 def test_int8_tp2_matches_int8_in_one_process():
     # row-parallel shards are quantized with the whole rows' scales: the same int8 weights
     ref = _run(make_engine(BUNDLED_MODEL, quantization="int8", **KV), PROMPTS[:2])
