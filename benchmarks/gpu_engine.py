@@ -138,6 +138,7 @@ def section_parity(rep: Report, device: str, smoke: bool) -> None:
 
 def section_parallel(rep: Report, device: str, smoke: bool) -> None:
     import torch
+
     from kvrelay.models import BUNDLED_MODEL
 
     n, kv = 32, {"kv_cache_memory": 64 * 2**20, "max_num_seqs": 16}
