@@ -186,3 +186,63 @@ def test_random_tiny_model_constrained_greedy_is_identical(tiny_models, tmp_path
         assert engine.speculator.stats.num_constrained_drafts > 0
     # The draft, a near copy, guesses the random target's constrained tokens.
     assert engine.speculator.stats.num_constrained_accepted_tokens > 0
+
+
+def test_serve_speculates_for_json_schema_requests(tmp_path):
+    """`kvrelay serve --speculative-method ngram` through real HTTP and the openai client:
+    response_format json_schema output equals the plain engine's, and speculation happened."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import jsonschema
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--log-level", "warning",
+         "--speculative-method", "ngram", "--num-speculative-tokens", "4", "--ngram-min", "1",
+         "--no-speculative-adaptive"],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        response_format = {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA, "strict": True}}
+        prompt = STORY + " " + STORY
+        got = client.completions.create(model="stories260K", prompt=prompt, max_tokens=90, temperature=0,
+                                        extra_body={"response_format": response_format})
+        engine = make_engine(BUNDLED_MODEL)
+        engine.add_request(prompt, _params("json"), "r")
+        want = ""
+        while engine.has_work():
+            want += "".join(o.text for o in engine.step())
+        assert got.choices[0].text == want and got.choices[0].finish_reason == "stop"
+        chat = client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": STORY}],
+                                              response_format=response_format, max_tokens=90, temperature=0)
+        assert chat.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
+        metrics = {}
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("kvrelay:spec_decode_num_"):
+                name, value = line.rsplit(" ", 1)
+                metrics[name.split("{")[0]] = float(value)
+        # Only constrained requests ran: their proposals were drafted and accepted.
+        assert metrics["kvrelay:spec_decode_num_drafts_total"] > 0
+        assert metrics["kvrelay:spec_decode_num_accepted_tokens_total"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        log.close()
