@@ -8,12 +8,12 @@ therefore distributed exactly as p, the target's distribution after temperature 
 target's next token. Uniforms come from the sequence's own random stream, so a seeded request gives
 the same tokens whatever else shares the batch.
 
-Constrained sequences (structured output) verify row by row: row i is masked by a fork of the
-sequence's matcher advanced through the proposals before i (the state the plain sampler would mask
-that position with, had those tokens been sampled), then accepted or rejected by the same rule.
-Rows past the first rejection are never looked at, so greedy or sampled, a step computes as many
-masks as it emits tokens, as plain decoding does. Proposals arrive cut to the prefix the grammar
-accepts (speculator.py), so an accepted proposal always advances the fork.
+Constrained sequences (structured output): row i is masked by a fork of the sequence's matcher
+advanced through the proposals before i (the state the plain sampler would mask that position
+with, had those tokens been sampled), then the same rule runs. Proposals arrive cut to the prefix
+the grammar accepts (speculator.py), so the fork takes every one. The sequence's own matcher never
+sees a rejected token: it consumes the emitted tokens when it next masks (GrammarState.sync), as
+it does sampled ones, so there is nothing to roll back.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sampler import _draw, _filter
 from kvrelay.engine.sequence import Sequence
-from kvrelay.engine.structured.mask import mask_rows
+from kvrelay.engine.structured.mask import apply_bitmask, fill, new_bitmask
 
 
 def _target_probs(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
@@ -38,7 +38,7 @@ def _target_probs(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
 def speculates(seq: Sequence) -> bool:
     """Whether seq's sampling can be verified here: penalties and plugin logits processors depend
     on every earlier token, so a sequence with them samples one token per step. A grammar's mask
-    depends on them too, but a fork of its matcher follows the proposals (_verify_constrained)."""
+    depends on them too, but a fork of its matcher follows the proposals (_mask)."""
     p = seq.params
     return (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
             and not seq.processors and (seq.grammar is None or not seq.grammar.failed))
@@ -60,12 +60,14 @@ def verify(seq: Sequence, logits: torch.Tensor, proposal: list[int]) -> tuple[li
     """logits [len(proposal) + 1, V] fp32: row i scores the token after proposal[:i]. Returns the
     emitted tokens (the accepted proposals, then one token of the target's) and their logprobs
     (TokenLogprob, or None when the request asked for none), from the raw logits as the sampler's."""
-    if seq.grammar is not None:
-        return _verify_constrained(seq, logits, proposal)
     k = len(proposal)
     raw = logits
+    if seq.adjusts_logits or seq.grammar is not None:
+        logits = logits.clone()
     if seq.adjusts_logits:
-        logits = _adjust(logits.clone(), seq)
+        _adjust(logits, seq)
+    if seq.grammar is not None:  # after bias and bans, as in the sampler
+        _mask(logits, seq, proposal)
     if seq.params.greedy:
         best = logits.max(dim=-1).indices.tolist()
         accepted = 0
@@ -91,45 +93,21 @@ def verify(seq: Sequence, logits: torch.Tensor, proposal: list[int]) -> tuple[li
     return emitted, _logprobs(seq, raw[: len(emitted)], emitted)
 
 
-def _verify_constrained(seq: Sequence, logits: torch.Tensor, proposal: list[int]) -> tuple[list[int], list]:
-    """verify() for a sequence with a grammar. Its matcher ends advanced by the accepted proposals
-    (the fork that followed them replaces it; rejected ones never entered it)."""
+def _mask(rows: torch.Tensor, seq: Sequence, proposal: list[int]) -> None:
+    """The grammar's mask on each row i (in place), from a fork of seq's matcher advanced through
+    proposal[:i]: the state the plain sampler would mask that position with."""
     state = seq.grammar
     state.sync(seq.output_ids)
-    rows = logits.clone()  # the raw logits stay for the logprobs
-    if seq.adjusts_logits:
-        _adjust(rows, seq)
+    bitmask = new_bitmask(len(proposal) + 1, state.vocab)
     fork = state.fork()
-    k, emitted = len(proposal), []
-    for i in range(k + 1):
-        row = rows[i : i + 1]
-        mask_rows(row, [0], [fork], [seq.stop_ids], state.vocab, seq.adjusts_logits)
-        if seq.params.greedy:
-            best = int(row.max(dim=-1).indices)
-            if i == k or best != proposal[i]:
-                emitted.append(best)
-                break
-        else:
-            probs = _target_probs(row, seq)
-            if i == k:
-                emitted.append(int(_draw(probs, [seq.rng.random()])[0]))
-                break
-            d = proposal[i]
-            if seq.rng.random() >= float(probs[0, d]):
-                probs[0, d] = 0.0
-                if float(probs.sum()) > 0.0:  # else p was one-hot on d up to rounding: d it is
-                    emitted.append(int(_draw(probs, [seq.rng.random()])[0]))
-                    break
-        emitted.append(proposal[i])
-        # A token the fork refuses (only EOS after the grammar ended can be) fails it as the plain
-        # sampler's matcher would: the next rows allow only stop ids.
-        if fork is not None and fork.try_consume_tokens([proposal[i]]) != 1:
+    for i in range(len(proposal) + 1):
+        fill(bitmask[i], fork)
+        # A token the fork refuses (proposals are cut to what the grammar accepts: only EOS after
+        # the grammar ended can be) fails it, as the plain sampler's matcher: only stop ids follow.
+        if i < len(proposal) and fork is not None and fork.try_consume_tokens([proposal[i]]) != 1:
             fork = None
-    if fork is not None:  # the fork is the matcher advanced by the accepted proposals: keep it
-        state.matcher, state.consumed = fork, state.consumed + len(emitted) - 1
-    # The target's token is consumed when it is next needed (GrammarState.sync), as a sampled one
-    # is: the sequence may end on it.
-    return emitted, _logprobs(seq, logits[: len(emitted)], emitted)
+    apply_bitmask(rows, list(range(len(proposal) + 1)), bitmask, [seq.stop_ids] * (len(proposal) + 1),
+                  state.vocab, seq.adjusts_logits)
 
 
 def _logprobs(seq: Sequence, rows: torch.Tensor, tokens: list[int]) -> list:

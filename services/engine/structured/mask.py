@@ -63,26 +63,38 @@ def apply(logits: torch.Tensor, rows: list[int], seqs: list, stop_ids: list[froz
     mask_rows(logits, rows, matchers, stop_ids, seqs[0].grammar.vocab, any(s.adjusts_logits for s in seqs))
 
 
+def new_bitmask(rows: int, grammar_vocab: int) -> torch.Tensor:
+    """An all-allowed bitmask of `rows` rows (llguidance's layout: int32 words, 32 tokens each)."""
+    return torch.full((rows, (grammar_vocab + 31) // 32), -1, dtype=torch.int32)
+
+
+def fill(bitmask_row: torch.Tensor, matcher) -> None:
+    """One row of the bitmask: what matcher allows next (None: a failed grammar, nothing)."""
+    if matcher is None:
+        bitmask_row.zero_()
+    else:
+        matcher.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), bitmask_row.shape[0] * 4)
+
+
 def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list, stop_ids: list[frozenset[int]],
               grammar_vocab: int, suspect: bool = False) -> None:
     """Mask logits[rows] (fp32, in place) to what matchers[k] allows next (None: a failed grammar,
     only stop ids). `suspect`: a ban or bias may have left only -inf among the allowed tokens."""
-    vocab = logits.shape[1]
-    bitmask = torch.full((len(rows), (grammar_vocab + 31) // 32), -1, dtype=torch.int32)
-    live = []
-    for k, matcher in enumerate(matchers):
-        if matcher is None:
-            bitmask[k].zero_()
-            suspect = True
-        else:
-            live.append((matcher, k))
+    bitmask = new_bitmask(len(rows), grammar_vocab)
     # One row at a time on this thread: a row costs microseconds, and llguidance's parallel
     # executor keeps worker threads spinning after each batch, which took the CPU from the forward
     # pass on a small machine (stories260K at batch 32: 10x slower steps). Called directly, as
     # llguidance.torch does: importing that module compiles its applier (seconds).
-    row_bytes = bitmask.shape[1] * 4
-    for matcher, k in live:
-        matcher.unsafe_compute_mask_ptr(bitmask[k].data_ptr(), row_bytes)
+    for k, matcher in enumerate(matchers):
+        fill(bitmask[k], matcher)
+    apply_bitmask(logits, rows, bitmask, stop_ids, grammar_vocab, suspect or None in matchers)
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, stop_ids: list[frozenset[int]],
+                  grammar_vocab: int, suspect: bool = False) -> None:
+    """Set logits[rows[k]] to -inf where bitmask row k forbids; a row left with nothing allowed
+    gets its stop ids back (see apply)."""
+    vocab = logits.shape[1]
     # One C pass unpacks the bits (token t is bit t % 32 of word t // 32, little-endian); ~10x
     # faster on CPU than shifting int32 words in torch, and no torch.compile (llguidance.torch's
     # applier) with its compiler toolchain and slow first call.
