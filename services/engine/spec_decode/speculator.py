@@ -20,7 +20,7 @@ first; a budget smaller than the batch's proposals is the one case where that st
 Constrained sequences (structured output) speculate too: their proposals are cut to the longest
 prefix their grammar accepts (llguidance validates it without advancing the matcher), the draft
 model masks its own proposals with a fork of the matcher (draft.py), and verify.py masks every row
-it examines with the matcher advanced through the proposals before it.
+the target scored with a fork advanced through the proposals before it.
 """
 
 from __future__ import annotations
