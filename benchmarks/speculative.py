@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram prompt lookup, a draft model) against plain decoding, stories260K, in one run.
 
     .venv/bin/python benchmarks/speculative.py [--tokens 128] [--batches 1,16] [--k 4] [--methods ngram,draft]
-        [--draft DIR] [--repeats 3] [--always]
+        [--draft DIR] [--repeats 3] [--always] [--workloads repeating,open,json]
 
 The draft defaults to stories260K cut to its first 4 of 5 layers (same tokenizer; it agrees with
 the target often enough to be accepted, and costs 4/5 of it: on this model it shows the mechanism,
@@ -9,6 +9,9 @@ not a speed-up, which needs a draft much cheaper than its target).
 
 Two workloads: "repeating" (prompts that quote a passage and start it again, so the continuation
 copies it: the editing / summarising shape where lookup pays) and "open" (plain story openings).
+A third, "json", is structured output: the repeating prompts under a JSON schema (an object with a
+name and a list of enums; the output ends where the grammar does, EOS then ends it even with
+ignore_eos), so proposals are cut to what the grammar accepts and verified under its mask.
 Greedy, EOS ignored, so both runs emit exactly the same tokens; the script checks that they do.
 Per workload and batch size it prints tokens/s, time per output token, acceptance rate, mean
 accepted length, the share of decode steps the throughput controller let speculate, and the ratio
@@ -27,9 +30,16 @@ from pathlib import Path
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, "
          "she saw a big, red ball. She wanted to play with it, but it was too high. Lily's mom said, \"Let's ask "
          "the man to help us.\" The man was very nice and he got the ball down.")
+REPEATING = [STORY + "\n\n" + STORY[:n] for n in (30, 60, 90, 120)]
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 40},
+                         "toys": {"type": "array", "maxItems": 40, "items": {"enum": ["ball", "doll", "kite"]}}},
+          "required": ["name", "toys"], "additionalProperties": False}
+# name -> (prompts, JSON schema the output is constrained to, or None)
 WORKLOADS = {
-    "repeating": [STORY + "\n\n" + STORY[:n] for n in (30, 60, 90, 120)],
-    "open": ["Once upon a time", "Tom and Sue went to the park.", "The little bird", "One day, a big dog"],
+    "repeating": (REPEATING, None),
+    "open": (["Once upon a time", "Tom and Sue went to the park.", "The little bird", "One day, a big dog"], None),
+    "json": (REPEATING, SCHEMA),
 }
 
 
@@ -38,13 +48,15 @@ def median(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
 
 
-def run_once(prompts: list[str], batch: int, tokens: int, spec: dict) -> dict:
+def run_once(prompts: list[str], batch: int, tokens: int, spec: dict, schema: dict | None = None) -> dict:
     from kvrelay.engine.engine_args import EngineArgs
     from kvrelay.engine.llm_engine import LLMEngine
     from kvrelay.engine.sampling_params import SamplingParams
+    from kvrelay.engine.structured.spec import GuidedSpec
 
     engine = LLMEngine(EngineArgs(**spec))
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    structured = GuidedSpec("json", json.dumps(schema)) if schema is not None else None
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, structured=structured)
     engine.add_request(prompts[0], SamplingParams(max_tokens=4, temperature=0.0), "warm-up")
     while engine.has_work():
         engine.step()
@@ -60,8 +72,9 @@ def run_once(prompts: list[str], batch: int, tokens: int, spec: dict) -> dict:
     # Share of the measured decode-only steps that speculated (the controller's choice).
     buckets = engine.speculator.controller._buckets.values() if engine.speculator else []
     on, off = sum(b.samples[True] for b in buckets), sum(b.samples[False] for b in buckets)
-    return {"out": out, "seconds": seconds, "tok_s": batch * tokens / seconds,
-            "tpot_ms": seconds / tokens * 1e3, "drafts": s.spec_num_drafts,
+    emitted = sum(map(len, out.values()))  # a grammar may end an output before max_tokens
+    return {"out": out, "seconds": seconds, "tok_s": emitted / seconds,
+            "tpot_ms": seconds / (emitted / batch) * 1e3, "drafts": s.spec_num_drafts,
             "proposed": s.spec_num_draft_tokens, "accepted": s.spec_num_accepted_tokens,
             "spec_steps": on / (on + off) if on + off else 0.0}
 
@@ -92,6 +105,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported")
     p.add_argument("--methods", default="ngram,draft")
     p.add_argument("--always", action="store_true", help="--no-speculative-adaptive: speculate in every step")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--draft", default=None, help="the draft model's folder (default: stories260K cut to 4 layers)")
     args = p.parse_args()
     import torch
@@ -105,14 +119,15 @@ def main() -> None:
             specs[method]["speculative_model"] = args.draft or truncated_draft()
     print(f"{'workload':<10} {'batch':>5} {'method':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
           f"{'TPOT ms':>13} {'accept':>7} {'mean accepted':>13} {'spec steps':>10} identical")
-    for name, prompts in WORKLOADS.items():
+    for name in args.workloads.split(","):
+        prompts, schema = WORKLOADS[name]
         for batch in map(int, args.batches.split(",")):
             # Plain and speculative runs alternate, so that a change in the machine's load hits both.
             runs: dict[str, list[dict]] = {m: [] for m in ["plain", *specs]}
             for _ in range(args.repeats):
-                runs["plain"].append(run_once(prompts, batch, args.tokens, {}))
+                runs["plain"].append(run_once(prompts, batch, args.tokens, {}, schema))
                 for method, spec in specs.items():
-                    runs[method].append(run_once(prompts, batch, args.tokens, spec))
+                    runs[method].append(run_once(prompts, batch, args.tokens, spec, schema))
             plain = median(runs["plain"])
             for method in specs:
                 r = median(runs[method])

@@ -9,7 +9,12 @@ valid per sequence (`_DraftView.num_computed`): proposals it fed itself stay val
 accepts them, and are rewritten on the next step when rejected.
 
 Proposals are the draft's argmax, so q is one-hot and verify.py's rule (accept d with p(d), else
-draw from p without d) keeps sampling lossless at any temperature.
+draw from p without d) keeps sampling lossless at any temperature. For a sequence with a grammar
+the argmax is taken over the tokens the grammar allows: a fork of its matcher follows the draft's
+own proposals and masks each row (one mask per proposed token, as the target's verification
+computes them), so the proposals are grammar-valid and are not cut at the first token the draft
+would have got wrong syntactically. After a token that completes the grammar, one more proposal
+(EOS, all the mask allows) ends the sequence's draft.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from kvrelay.engine.model import DecoderModel
 from kvrelay.engine.model_config import ModelConfig, load_model_config
 from kvrelay.engine.runner.model_runner import ModelRunner
 from kvrelay.engine.sequence import Sequence
+from kvrelay.engine.structured.mask import mask_rows
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.engine.weights import assemble, pack_linears, read_tensors
 
@@ -129,6 +135,10 @@ class DraftModel:
         it and no proposal this step."""
         views = [self._view(s) for s in seqs]
         out: list[list[int]] = [[] for _ in seqs]
+        # The matchers of constrained sequences, forked: they follow the proposals (callers have
+        # synced each grammar with its sequence's output).
+        forks = {i: s.grammar.fork() for i, s in enumerate(seqs) if s.grammar is not None}
+        ended: set[int] = set()  # constrained sequences whose last proposal completed the grammar
         active, num_new, room = [], [], self.budget
         for i, view in enumerate(views):
             if room <= 0:
@@ -139,6 +149,10 @@ class DraftModel:
             room -= n
         while active:
             logits, sample_idx, _ = self.runner.execute([views[i] for i in active], num_new)
+            masked = [(row, active[j]) for row, j in enumerate(sample_idx) if active[j] in forks]
+            if masked:
+                mask_rows(logits, [row for row, _ in masked], [forks[i] for _, i in masked],
+                          [seqs[i].stop_ids for _, i in masked], seqs[masked[0][1]].grammar.vocab)
             best = logits.argmax(dim=-1).tolist() if sample_idx else []  # one small copy per forward
             for j, i in enumerate(active):
                 views[i].num_computed += num_new[j]
@@ -146,7 +160,10 @@ class DraftModel:
                 i = active[j]
                 out[i].append(best[row])
                 seqs[i].token_ids.append(best[row])  # the next forward feeds it
-            active = [i for i in active if 0 < len(out[i]) < ks[i]]
+                fork = forks.get(i)
+                if fork is not None and (fork.is_stopped() or fork.try_consume_tokens([best[row]]) != 1):
+                    ended.add(i)
+            active = [i for i in active if 0 < len(out[i]) < ks[i] and i not in ended]
             num_new = [1] * len(active)
         for seq, proposal in zip(seqs, out):
             if proposal:

@@ -16,6 +16,11 @@ Seeded sampled sequences follow only their own backoff, never the batch-level de
 step speculates changes how many uniforms their random stream gives up, so a batch-level decision
 would make their tokens depend on the rest of the batch (their proposals also get the token budget
 first; a budget smaller than the batch's proposals is the one case where that still can).
+
+Constrained sequences (structured output) speculate too: their proposals are cut to the longest
+prefix their grammar accepts (llguidance validates it without advancing the matcher), the draft
+model masks its own proposals with a fork of the matcher (draft.py), and verify.py masks every row
+the target scored with a fork advanced through the proposals before it.
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # Of the above, for sequences with a grammar; and the proposed tokens the grammar cut off.
+    num_constrained_drafts: int = 0
+    num_constrained_accepted_tokens: int = 0
+    num_grammar_cut_tokens: int = 0
 
 
 def _seeded(seq: Sequence) -> bool:
@@ -124,18 +133,28 @@ class Speculator:
             k = min(k, seq.max_tokens - seq.num_generated - 1, room)
             if k <= 0:
                 continue
+            if seq.grammar is not None:
+                seq.grammar.sync(seq.output_ids)
             if self.draft is not None:  # slots first: the draft writes its K/V into the same blocks
+                if seq.grammar is not None and seq.grammar.matcher.is_stopped():
+                    continue  # the grammar is complete: only EOS can follow, nothing to draft
                 if self.scheduler.try_allocate(seq, 1 + k):
                     drafting.append((i, k))
                     room -= k
                 continue
-            proposal = self.proposer.propose(seq.token_ids, k)
+            proposal = self._cut(seq, self.proposer.propose(seq.token_ids, k))
             if proposal and self.scheduler.try_allocate(seq, 1 + len(proposal)):
                 out[i] = proposal
                 room -= len(proposal)
         if drafting:
             drafts = self.draft.propose([step.seqs[i] for i, _ in drafting], [k for _, k in drafting])
-            out.update({i: d for (i, _), d in zip(drafting, drafts) if d})
+            for (i, _), drafted in zip(drafting, drafts):
+                seq = step.seqs[i]
+                proposal = self._cut(seq, drafted)
+                if proposal:
+                    out[i] = proposal
+                elif drafted:  # all cut: the draft's K/V is valid up to the last real token only
+                    self.draft.rollback(seq, seq.num_tokens)
         # Measured as a speculative step only when it carried proposals.
         self._measuring = (batch, bool(out), start) if decode_only and self.config.adaptive else None
         for i, proposal in out.items():
@@ -144,6 +163,14 @@ class Speculator:
             seq.token_ids.extend(proposal)
             step.num_new[i] = 1 + len(proposal)
         return out
+
+    def _cut(self, seq: Sequence, proposal: list[int]) -> list[int]:
+        """The longest prefix of proposal that seq's grammar accepts (all of it without one)."""
+        if seq.grammar is None or not proposal:
+            return proposal
+        n = seq.grammar.valid_prefix(proposal)
+        self.stats.num_grammar_cut_tokens += len(proposal) - n
+        return proposal[:n]
 
     def finish_step(self, tokens: int) -> None:
         """The step that propose() began emitted `tokens` tokens: feed the controller."""
@@ -167,6 +194,9 @@ class Speculator:
         s.num_accepted_tokens += accepted
         for pos in range(accepted):
             s.accepted_per_position[pos] += 1
+        if seq.grammar is not None:
+            s.num_constrained_drafts += 1
+            s.num_constrained_accepted_tokens += accepted
         k = self._k.get(seq, self.config.num_tokens)
         # Halve K after a step that accepted nothing; at zero the sequence rests (negative K counts
         # the steps it waits before trying one token again); grow K back by one per success.

@@ -7,6 +7,13 @@ therefore distributed exactly as p, the target's distribution after temperature 
 (lossless). Greedy sequences accept the longest prefix equal to the target's argmax, plus the
 target's next token. Uniforms come from the sequence's own random stream, so a seeded request gives
 the same tokens whatever else shares the batch.
+
+Constrained sequences (structured output): row i is masked by a fork of the sequence's matcher
+advanced through the proposals before i (the state the plain sampler would mask that position
+with, had those tokens been sampled), then the same rule runs. Proposals arrive cut to the prefix
+the grammar accepts (speculator.py), so the fork takes every one. The sequence's own matcher never
+sees a rejected token: it consumes the emitted tokens when it next masks (GrammarState.sync), as
+it does sampled ones, so there is nothing to roll back.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import torch
 from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sampler import _draw, _filter
 from kvrelay.engine.sequence import Sequence
+from kvrelay.engine.structured.mask import apply_bitmask, fill, new_bitmask
 
 
 def _target_probs(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
@@ -28,12 +36,12 @@ def _target_probs(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
 
 
 def speculates(seq: Sequence) -> bool:
-    """Whether seq's sampling can be verified here: penalties depend on every earlier token, so a
-    sequence with them samples one token per step. Nor do constrained sequences: their mask
-    depends on every earlier token too (one matcher step per token; not checked per proposal yet)."""
+    """Whether seq's sampling can be verified here: penalties and plugin logits processors depend
+    on every earlier token, so a sequence with them samples one token per step. A grammar's mask
+    depends on them too, but a fork of its matcher follows the proposals (_mask)."""
     p = seq.params
     return (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and seq.grammar is None)
+            and not seq.processors and (seq.grammar is None or not seq.grammar.failed))
 
 
 def _adjust(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
@@ -54,8 +62,12 @@ def verify(seq: Sequence, logits: torch.Tensor, proposal: list[int]) -> tuple[li
     (TokenLogprob, or None when the request asked for none), from the raw logits as the sampler's."""
     k = len(proposal)
     raw = logits
+    if seq.adjusts_logits or seq.grammar is not None:
+        logits = logits.clone()
     if seq.adjusts_logits:
-        logits = _adjust(logits.clone(), seq)
+        _adjust(logits, seq)
+    if seq.grammar is not None:  # after bias and bans, as in the sampler
+        _mask(logits, seq, proposal)
     if seq.params.greedy:
         best = logits.max(dim=-1).indices.tolist()
         accepted = 0
@@ -79,6 +91,23 @@ def verify(seq: Sequence, logits: torch.Tensor, proposal: list[int]) -> tuple[li
         else:
             emitted.append(int(_draw(probs[k : k + 1], [seq.rng.random()])[0]))
     return emitted, _logprobs(seq, raw[: len(emitted)], emitted)
+
+
+def _mask(rows: torch.Tensor, seq: Sequence, proposal: list[int]) -> None:
+    """The grammar's mask on each row i (in place), from a fork of seq's matcher advanced through
+    proposal[:i]: the state the plain sampler would mask that position with."""
+    state = seq.grammar
+    state.sync(seq.output_ids)
+    bitmask = new_bitmask(len(proposal) + 1, state.vocab)
+    fork = state.fork()
+    for i in range(len(proposal) + 1):
+        fill(bitmask[i], fork)
+        # A token the fork refuses (proposals are cut to what the grammar accepts: only EOS after
+        # the grammar ended can be) fails it, as the plain sampler's matcher: only stop ids follow.
+        if i < len(proposal) and fork is not None and fork.try_consume_tokens([proposal[i]]) != 1:
+            fork = None
+    apply_bitmask(rows, list(range(len(proposal) + 1)), bitmask, [seq.stop_ids] * (len(proposal) + 1),
+                  state.vocab, seq.adjusts_logits)
 
 
 def _logprobs(seq: Sequence, rows: torch.Tensor, tokens: list[int]) -> list:

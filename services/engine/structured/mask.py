@@ -28,12 +28,25 @@ class GrammarState:
         self.failed = False  # a token outside the grammar entered the sequence: only EOS is allowed
 
     def sync(self, output_ids: list[int]) -> None:
-        new = output_ids[self.consumed :]
-        if new and not self.failed and self.matcher.try_consume_tokens(new) != len(new):
+        self.advance(output_ids[self.consumed :])
+
+    def advance(self, tokens: list[int]) -> None:
+        """Consume tokens that entered the sequence (after the `consumed` already seen)."""
+        if tokens and not self.failed and self.matcher.try_consume_tokens(tokens) != len(tokens):
             log.warning("structured output: a token outside the grammar was appended (%s); ending the "
                         "sequence", self.matcher.get_error() or "not allowed")
             self.failed = True
-        self.consumed = len(output_ids)
+        self.consumed += len(tokens)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of tokens, proposed to follow what the matcher has consumed, the grammar accepts
+        (llguidance checks them without advancing the matcher)."""
+        return 0 if self.failed or not tokens else self.matcher.validate_tokens(tokens)
+
+    def fork(self):
+        """A copy of the matcher to advance through proposals (llguidance's deep_copy shares the
+        compiled grammar: well under a microsecond), or None when the grammar failed."""
+        return None if self.failed else self.matcher.deep_copy()
 
 
 def apply(logits: torch.Tensor, rows: list[int], seqs: list, stop_ids: list[frozenset[int]]) -> None:
@@ -43,26 +56,45 @@ def apply(logits: torch.Tensor, rows: list[int], seqs: list, stop_ids: list[froz
     min_tokens bans EOS, or a failed matcher) gets its stop ids back, so sampling never sees an
     all -inf row.
     """
-    vocab = logits.shape[1]
-    grammar_vocab = seqs[0].grammar.vocab
-    bitmask = torch.full((len(rows), (grammar_vocab + 31) // 32), -1, dtype=torch.int32)
-    live, suspect = [], False
-    for k, seq in enumerate(seqs):
-        state = seq.grammar
-        state.sync(seq.output_ids)
-        if state.failed:
-            bitmask[k].zero_()
-            suspect = True
-        else:
-            live.append((state.matcher, k))
-        suspect = suspect or seq.adjusts_logits  # a ban or bias may leave only -inf among the allowed
+    matchers = []
+    for seq in seqs:
+        seq.grammar.sync(seq.output_ids)
+        matchers.append(None if seq.grammar.failed else seq.grammar.matcher)
+    mask_rows(logits, rows, matchers, stop_ids, seqs[0].grammar.vocab, any(s.adjusts_logits for s in seqs))
+
+
+def new_bitmask(rows: int, grammar_vocab: int) -> torch.Tensor:
+    """An all-allowed bitmask of `rows` rows (llguidance's layout: int32 words, 32 tokens each)."""
+    return torch.full((rows, (grammar_vocab + 31) // 32), -1, dtype=torch.int32)
+
+
+def fill(bitmask_row: torch.Tensor, matcher) -> None:
+    """One row of the bitmask: what matcher allows next (None: a failed grammar, nothing)."""
+    if matcher is None:
+        bitmask_row.zero_()
+    else:
+        matcher.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), bitmask_row.shape[0] * 4)
+
+
+def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list, stop_ids: list[frozenset[int]],
+              grammar_vocab: int, suspect: bool = False) -> None:
+    """Mask logits[rows] (fp32, in place) to what matchers[k] allows next (None: a failed grammar,
+    only stop ids). `suspect`: a ban or bias may have left only -inf among the allowed tokens."""
+    bitmask = new_bitmask(len(rows), grammar_vocab)
     # One row at a time on this thread: a row costs microseconds, and llguidance's parallel
     # executor keeps worker threads spinning after each batch, which took the CPU from the forward
     # pass on a small machine (stories260K at batch 32: 10x slower steps). Called directly, as
     # llguidance.torch does: importing that module compiles its applier (seconds).
-    row_bytes = bitmask.shape[1] * 4
-    for matcher, k in live:
-        matcher.unsafe_compute_mask_ptr(bitmask[k].data_ptr(), row_bytes)
+    for k, matcher in enumerate(matchers):
+        fill(bitmask[k], matcher)
+    apply_bitmask(logits, rows, bitmask, stop_ids, grammar_vocab, suspect or None in matchers)
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, stop_ids: list[frozenset[int]],
+                  grammar_vocab: int, suspect: bool = False) -> None:
+    """Set logits[rows[k]] to -inf where bitmask row k forbids; a row left with nothing allowed
+    gets its stop ids back (see apply)."""
+    vocab = logits.shape[1]
     # One C pass unpacks the bits (token t is bit t % 32 of word t // 32, little-endian); ~10x
     # faster on CPU than shifting int32 words in torch, and no torch.compile (llguidance.torch's
     # applier) with its compiler toolchain and slow first call.
