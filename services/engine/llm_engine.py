@@ -304,7 +304,10 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         s = self.speculator.stats
         return {"spec_num_drafts": s.num_drafts, "spec_num_draft_tokens": s.num_draft_tokens,
                 "spec_num_accepted_tokens": s.num_accepted_tokens,
-                "spec_accepted_per_position": list(s.accepted_per_position)}
+                "spec_accepted_per_position": list(s.accepted_per_position),
+                "spec_num_constrained_drafts": s.num_constrained_drafts,
+                "spec_num_constrained_accepted_tokens": s.num_constrained_accepted_tokens,
+                "spec_num_grammar_cut_tokens": s.num_grammar_cut_tokens}
 
     # ---- one step -------------------------------------------------------------------------
 

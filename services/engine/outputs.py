@@ -66,6 +66,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # ... of which for sequences with a grammar, and proposed tokens the grammar cut before verification.
+    spec_num_constrained_drafts: int = 0
+    spec_num_constrained_accepted_tokens: int = 0
+    spec_num_grammar_cut_tokens: int = 0
     # Tensor/pipeline parallelism, as TP rank 0 of the last stage measured it; zero in one process.
     parallel_steps: int = 0
     parallel_step_seconds: float = 0.0

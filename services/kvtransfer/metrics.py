@@ -92,6 +92,12 @@ def spec_decode_metrics(s):
         ("kvrelay:spec_decode_num_drafts", "Sequences-steps that carried proposed tokens.", s.spec_num_drafts),
         ("kvrelay:spec_decode_num_draft_tokens", "Tokens proposed.", s.spec_num_draft_tokens),
         ("kvrelay:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", s.spec_num_accepted_tokens),
+        ("kvrelay:spec_decode_num_constrained_drafts", "Drafts for sequences with a grammar (structured output).",
+         s.spec_num_constrained_drafts),
+        ("kvrelay:spec_decode_num_constrained_accepted_tokens", "Proposed tokens accepted for sequences with a grammar.",
+         s.spec_num_constrained_accepted_tokens),
+        ("kvrelay:spec_decode_num_grammar_cut_tokens", "Proposed tokens the grammar rejected before verification.",
+         s.spec_num_grammar_cut_tokens),
     ):
         yield CounterMetricFamily(name, doc, value=value)
     per_position = CounterMetricFamily("kvrelay:spec_decode_num_accepted_tokens_per_pos",

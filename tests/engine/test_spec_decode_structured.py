@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 from helpers import PROMPTS, make_engine, run_engine
@@ -194,7 +195,6 @@ def test_serve_speculates_for_json_schema_requests(tmp_path):
     import socket
     import subprocess
     import sys
-    import time
 
     import httpx
     import jsonschema
@@ -234,14 +234,24 @@ def test_serve_speculates_for_json_schema_requests(tmp_path):
                                               response_format=response_format, max_tokens=90, temperature=0)
         assert chat.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
-        metrics = {}
-        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("kvrelay:spec_decode_num_"):
-                name, value = line.rsplit(" ", 1)
-                metrics[name.split("{")[0]] = float(value)
-        # Only constrained requests ran: their proposals were drafted and accepted.
+        def spec_metrics() -> dict[str, float]:
+            metrics = {}
+            for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+                if line.startswith("kvrelay:spec_decode_num_"):
+                    name, value = line.rsplit(" ", 1)
+                    metrics[name.split("{")[0]] = float(value)
+            return metrics
+
+        # Only constrained requests ran: their proposals were drafted and accepted. The engine process
+        # reports its counters every few hundred ms: poll.
+        deadline = time.monotonic() + 30
+        while (metrics := spec_metrics()).get("kvrelay:spec_decode_num_constrained_accepted_tokens_total", 0) == 0:
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.1)
         assert metrics["kvrelay:spec_decode_num_drafts_total"] > 0
         assert metrics["kvrelay:spec_decode_num_accepted_tokens_total"] > 0
+        assert metrics["kvrelay:spec_decode_num_constrained_drafts_total"] == metrics["kvrelay:spec_decode_num_drafts_total"]
+        assert "kvrelay:spec_decode_num_grammar_cut_tokens_total" in metrics
     finally:
         proc.terminate()
         proc.wait(15)
