@@ -20,6 +20,10 @@ client of both paths:
   direct   DecodeClient.generate() over gRPC to the decode worker, prefilled on the prefill worker;
   gateway  the same request as HTTP/SSE through the gateway, which routes it to the same pair.
 
+With --floor the HTTP server runs a bare SSE app on the same engine instead of the gateway (no auth,
+quota, request parsing or OpenAI response building): the added latency of HTTP streaming alone between
+two processes on this machine, the floor under the gateway's figure.
+
 It prints p50/p99 of time to first token and end-to-end time per path (kvrelay.bench.stats: the
 same percentiles as `kvrelay bench serve`), and the added latency (gateway percentile minus
 direct percentile).  Target: p50 <= 3 ms and p99 <= 10 ms added.
@@ -100,6 +104,33 @@ async def time_outputs(outputs) -> tuple[float, float]:
     return ttft, time.perf_counter() - t0
 
 
+def bare_sse_app(backend, params):
+    """--floor: the same engine and HTTP server, with none of the gateway (no auth, quota, request
+    parsing or OpenAI response building): one minimal SSE event per engine output, then [DONE]."""
+    import itertools
+
+    ids = itertools.count()
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":  # the gateway's own lifespan starts the engine; here we do
+            await receive()
+            await backend.start()
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await backend.shutdown()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        async for out in backend.engine.generate(PROMPT, params, f"floor-{next(ids)}"):
+            event = json.dumps({"choices": [{"index": 0, "text": out.text}]})
+            await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    return app
+
+
 async def client_process(args) -> None:
     """Child: warm up, then the gateway half (odd i) of the open-loop schedule; prints results."""
     cfg = client_config(args.client_port)
@@ -135,13 +166,14 @@ async def run_interleaved(args, folder: str) -> tuple[list, list]:
     port = free_port()
     # The front door `kvrelay serve` uses (h11 with header limits), unless --httptools asks for uvicorn's default.
     http = {} if args.httptools else uvicorn_options(gateway.config.frontdoor)
-    server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=port, log_level="warning",
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    app = bare_sse_app(gateway.backend, params) if args.floor else create_app(gateway)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False, **http))
     serve = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
     engine = gateway.backend.engine
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     cfg = client_config(port)
     http = make_http_client(cfg)
     direct, via = [], []
@@ -284,6 +316,9 @@ def main() -> None:
                         help="the engine in a process of its own, as `kvrelay serve` runs it (default: in-process)")
     parser.add_argument("--cluster", action="store_true",
                         help="prefill + decode workers and `kvrelay gateway` as processes; direct = gRPC to the decode worker")
+    parser.add_argument("--floor", action="store_true",
+                        help="serve a bare SSE app on the same engine and HTTP server instead of the gateway: "
+                             "what HTTP streaming alone adds on this machine")
     parser.add_argument("--client-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--start", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -294,7 +329,8 @@ def main() -> None:
     else:
         where = "the gateway process" if args.in_process_client else "its own process"
         engine = "engine-core process" if args.engine_process else "in-process engine"
-        setup = f"kvrelay serve ({engine}), HTTP client in {where}"
+        app = "a bare SSE app (--floor)" if args.floor else "kvrelay serve"
+        setup = f"{app} ({engine}), HTTP client in {where}"
     print(f"{args.requests} streaming requests at {args.rate}/s, {args.max_tokens} tokens each, "
           f"quota store: {'redis' if args.redis_url else 'memory'}; {setup}")
     with tempfile.TemporaryDirectory() as folder:
