@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -61,3 +67,32 @@ def hf_logprobs(model_dir: str, ids: list[int]) -> torch.Tensor:
 
 def make_engine(model: Path | str, **kw) -> LLMEngine:
     return LLMEngine(EngineArgs(model=str(model), **kw))
+
+
+@contextlib.contextmanager
+def serve(log_path: Path, *args: str, timeout: float = 90) -> Iterator[str]:
+    """`kvrelay serve ARGS` on a free loopback port, ready; yields its base URL and stops it after."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port),
+                                 "--log-level", "warning", *args], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                assert proc.poll() is None, Path(log_path).read_text()
+                assert time.monotonic() < deadline, f"serve not ready after {timeout} s"
+                try:
+                    if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(15)

@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from helpers import PROMPTS, greedy, make_engine, run_engine
+from helpers import PROMPTS, greedy, make_engine, run_engine, serve
 from kvrelay.engine.errors import ModelLoadError
 from kvrelay.engine.sampling_params import SamplingParams
 from safetensors.torch import load_file, save_file
@@ -106,32 +106,12 @@ def test_a_draft_with_another_vocabulary_or_no_model_fails_at_start(tmp_path, dr
 def test_serve_speculates_with_a_draft_and_exports_its_counters(draft, tmp_path):
     """`kvrelay serve --speculative-method draft` through real HTTP and the openai client: the same
     text as the plain engine, and the kvrelay:spec_decode_* counters on /metrics."""
-    import socket
-    import subprocess
-    import sys
-    import time
 
     import httpx
     import openai
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--log-level", "warning",
-         "--speculative-method", "draft", "--speculative-model", str(draft), "--num-speculative-tokens", "3"],
-        stdout=log, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with serve(tmp_path / "serve.log", "--speculative-method", "draft", "--speculative-model", str(draft),
+               "--num-speculative-tokens", "3") as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         got = client.completions.create(model="stories260K", prompt=STORY, max_tokens=24, temperature=0)
         engine = make_engine(BUNDLED_MODEL)
@@ -143,10 +123,6 @@ def test_serve_speculates_with_a_draft_and_exports_its_counters(draft, tmp_path)
         lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
         drafts = [float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("kvrelay:spec_decode_num_drafts_total")]
         assert drafts and drafts[0] > 0
-    finally:
-        proc.terminate()
-        proc.wait(15)
-        log.close()
 
 
 def _perturbed_copy(src, dst, scale: float):

@@ -9,7 +9,7 @@ import re
 import time
 
 import pytest
-from helpers import PROMPTS, make_engine, run_engine
+from helpers import PROMPTS, make_engine, run_engine, serve
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.structured.spec import GuidedSpec
 from test_spec_decode_draft import _perturbed_copy, _truncated_copy
@@ -192,33 +192,12 @@ def test_random_tiny_model_constrained_greedy_is_identical(tiny_models, tmp_path
 def test_serve_speculates_for_json_schema_requests(tmp_path):
     """`kvrelay serve --speculative-method ngram` through real HTTP and the openai client:
     response_format json_schema output equals the plain engine's, and speculation happened."""
-    import socket
-    import subprocess
-    import sys
-
     import httpx
     import jsonschema
     import openai
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvrelay.cli", "serve", "--port", str(port), "--log-level", "warning",
-         "--speculative-method", "ngram", "--num-speculative-tokens", "4", "--ngram-min", "1",
-         "--no-speculative-adaptive"],
-        stdout=log, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with serve(tmp_path / "serve.log", "--speculative-method", "ngram", "--num-speculative-tokens", "4",
+               "--ngram-min", "1", "--no-speculative-adaptive") as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         response_format = {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA, "strict": True}}
         prompt = STORY + " " + STORY
@@ -234,6 +213,7 @@ def test_serve_speculates_for_json_schema_requests(tmp_path):
                                               response_format=response_format, max_tokens=90, temperature=0)
         assert chat.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
+
         def spec_metrics() -> dict[str, float]:
             metrics = {}
             for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
@@ -252,10 +232,6 @@ def test_serve_speculates_for_json_schema_requests(tmp_path):
         assert metrics["kvrelay:spec_decode_num_accepted_tokens_total"] > 0
         assert metrics["kvrelay:spec_decode_num_constrained_drafts_total"] == metrics["kvrelay:spec_decode_num_drafts_total"]
         assert "kvrelay:spec_decode_num_grammar_cut_tokens_total" in metrics
-    finally:
-        proc.terminate()
-        proc.wait(15)
-        log.close()
 
 
 def test_constrained_sampled_outputs_have_the_same_distribution(tiny_models):

@@ -93,6 +93,14 @@ def write_tenants(path, tenants: list[dict]) -> str:
     return str(path)
 
 
+def wait_for_workers(backend, timeout: float = 30) -> None:
+    """Until a DisaggregatedBackend has the load streams of its prefill and decode workers."""
+    deadline = time.monotonic() + timeout
+    while not backend.decode.live() or not backend.prefill.live():
+        assert time.monotonic() < deadline, "workers never reported their load"
+        time.sleep(0.05)
+
+
 class GatewayProcess:
     """`kvrelay serve` (or `kvrelay gateway`) in its own process, real HTTP on a free loopback port."""
 

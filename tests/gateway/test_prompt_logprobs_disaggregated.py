@@ -7,11 +7,10 @@ runs this same backend over the same workers.)"""
 from __future__ import annotations
 
 import tempfile
-import time
 
 import openai
 import pytest
-from gateway_helpers import InProcessGateway, WorkerProcess
+from gateway_helpers import InProcessGateway, WorkerProcess, wait_for_workers
 from kvrelay.gateway.disaggregated import DisaggregatedBackend
 
 from kvrelay.models import BUNDLED_MODEL
@@ -51,10 +50,7 @@ def cluster(request):
             started.append(WorkerProcess("decode", *extra))
             backend = DisaggregatedBackend(started[0].address, started[1].address, str(BUNDLED_MODEL))
             gw = InProcessGateway(backend=backend)
-            deadline = time.monotonic() + 30
-            while not backend.decode.live() or not backend.prefill.live():
-                assert time.monotonic() < deadline, "workers never reported their load"
-                time.sleep(0.05)
+            wait_for_workers(backend)
             yield gw, started, request.param
         finally:
             if gw is not None:

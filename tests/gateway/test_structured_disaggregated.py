@@ -5,12 +5,11 @@ masks the rest, so outputs equal the single-process server's for the same seed."
 from __future__ import annotations
 
 import json
-import time
 
 import jsonschema
 import openai
 import pytest
-from gateway_helpers import InProcessGateway, WorkerProcess
+from gateway_helpers import InProcessGateway, WorkerProcess, wait_for_workers
 from kvrelay.gateway.disaggregated import DisaggregatedBackend
 from test_structured_output import MESSAGES, PERSON, RESPONSE_FORMAT
 
@@ -28,10 +27,7 @@ def cluster():
             started.append(WorkerProcess(role))
         backend = DisaggregatedBackend(started[0].address, started[1].address, str(BUNDLED_MODEL))
         gw = InProcessGateway(backend=backend)
-        deadline = time.monotonic() + 30
-        while not backend.decode.live() or not backend.prefill.live():
-            assert time.monotonic() < deadline, "workers never reported their load"
-            time.sleep(0.05)
+        wait_for_workers(backend)
         yield gw, started
     finally:
         if gw is not None:
