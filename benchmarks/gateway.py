@@ -158,11 +158,12 @@ async def run_interleaved(args, folder: str) -> tuple[list, list]:
     tenants = write_tenants(folder)
     store = RedisQuotaStore(args.redis_url) if args.redis_url else MemoryQuotaStore()
     process = None
+    engine_args = EngineArgs(reserved_cpus=1)  # as `kvrelay serve` runs it: one CPU stays with the API side
     if args.engine_process:  # as `kvrelay serve` runs it; the direct path then goes through its client
         from kvrelay.engine.core.client import EngineProcess
 
-        process = EngineProcess.start(EngineArgs(), "warning")
-    gateway = Gateway(LocalBackend(EngineArgs(), process), TenantRegistry(tenants), QuotaManager(store))
+        process = EngineProcess.start(engine_args, "warning")
+    gateway = Gateway(LocalBackend(engine_args, process), TenantRegistry(tenants), QuotaManager(store))
     port = free_port()
     # The front door `kvrelay serve` uses (h11 with header limits), unless --httptools asks for uvicorn's default.
     http = {} if args.httptools else uvicorn_options(gateway.config.frontdoor)

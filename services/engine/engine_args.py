@@ -27,6 +27,13 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def available_memory_bytes() -> int:
     """MemAvailable from /proc/meminfo (Linux), else physical memory."""
     try:
@@ -76,6 +83,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kernel_backend: str = "auto"  # auto | torch | native | triton
     device: str = "auto"  # auto | cpu | cuda
+    cpu_threads: int | None = None  # CPU engines: torch threads; None: cpu_threads.plan_threads decides
+    # Not a flag: CPUs kept for processes beside this engine (serve keeps one for its API process).
+    reserved_cpus: int = 0
     dummy_seed: int = 0  # random weights of --load-format dummy
     tensor_parallel_size: int = 1  # worker processes splitting each layer (kvrelay.engine.parallel)
     pipeline_parallel_size: int = 1  # worker processes holding contiguous layer stages
@@ -141,6 +151,11 @@ class EngineArgs:
         parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         parser.add_argument("--kernel-backend", default=d.kernel_backend, choices=["auto", "torch", "native", "triton"])
         parser.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+        parser.add_argument(
+            "--cpu-threads", type=_at_least_one, default=None,
+            help="CPU engines: torch threads for the forward (default: $OMP_NUM_THREADS if set, else the CPUs "
+            "this process may use, from its affinity and cgroup quota, less one for serve's API process)",
+        )
         parser.add_argument(
             "--speculative-method",
             default=None,

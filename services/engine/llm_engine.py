@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from kvrelay.engine.block_pool import BlockPool
+from kvrelay.engine.cpu_threads import plan_threads
 from kvrelay.engine.engine_args import EngineArgs, cpu_kv_cache_blocks
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError
 from kvrelay.engine.handoff import HandoffMixin
@@ -89,6 +90,10 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_large_buffers_mapped()  # each step's activations are multi-MiB buffers
+            threads = plan_threads(args.cpu_threads, args.reserved_cpus)
+            if threads.threads is not None:
+                torch.set_num_threads(threads.threads)
+            log.info("%s", threads.describe())
         backend = args.kernel_backend
         if backend == "auto" and self.device.type != "cuda":
             backend = cpu_backend()  # Triton kernels need CUDA tensors (the interpreter is for tests)

@@ -7,6 +7,7 @@ turns on API keys and quotas; `--redis-url` shares quotas between several such p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import subprocess
@@ -15,6 +16,7 @@ import threading
 import time
 
 import yaml
+from kvrelay.engine.cpu_threads import split_cpus
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
 from kvrelay.gateway.api_key import ENV as API_KEY_ENV
 from kvrelay.gateway.api_key import ApiKeyRegistry
@@ -221,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     if args.disaggregated:
         return run_disaggregated(args)
-    engine_args = EngineArgs.from_cli(args)
+    # One CPU stays with the API process: an engine on every core is slowed by each chunk it writes.
+    engine_args = dataclasses.replace(EngineArgs.from_cli(args), reserved_cpus=1)
     watchdog = WatchdogConfig(args.watchdog_timeout, grace_s=args.watchdog_grace)
     if args.engine_in_process:
         backend = LocalBackend(engine_args, watchdog=watchdog, stats_interval_s=args.stats_interval)
@@ -259,6 +262,9 @@ def start_worker(role: str, args: argparse.Namespace, port: int = 0) -> subproce
     """`kvrelay prefill|decode` on loopback (port 0: any free port); returns once it listens."""
     cmd = [sys.executable, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", str(port),
            *EngineArgs.cli_flags(args)]
+    if args.cpu_threads is None and not os.environ.get("OMP_NUM_THREADS"):
+        # Two engines and the gateway on one machine: the gateway keeps a CPU, the workers split the rest.
+        cmd += ["--cpu-threads", str(split_cpus(2, reserved=1))]
     if role == "decode":
         cmd += ["--kv-shm-bytes", str(args.kv_shm_bytes)]
     elif args.kv_shared_cache and args.kv_shm_bytes:

@@ -107,7 +107,7 @@ class MultiprocExecutor:
         self.in_flight = 0
         self.max_in_flight = 0
         self._early_replies: list[deque] = [deque() for _ in range(self.world_size)]
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cpus()  # affinity and cgroup quota
         self.leader: Leader | None = None
         local = self.world_size if layout is None else layout.ranks_per_node  # node 0: ranks [0, local)
         self.spec = WorkerSpec(

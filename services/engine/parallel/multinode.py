@@ -215,7 +215,7 @@ def run_follower(layout: NodeLayout, token: bytes, timeout: float | None = None)
     if kind == "error":
         raise MultinodeError(payload)
     spec, ranks = payload
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cpus()  # affinity and cgroup quota
     spec = dataclasses.replace(spec, threads=max(1, cores // len(ranks)))
     log.info("node %d: starting parallel ranks %s (leader %s:%d)", layout.node_rank, ranks, *address)
     ctx = mp.get_context("spawn")
