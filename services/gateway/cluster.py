@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 
+from kvrelay.engine.engine_args import parse_bytes
 from kvrelay.gateway.breaker import BreakerConfig
 from kvrelay.gateway.serve import add_gateway_arguments, build_quota, gateway_config, run_app
 from kvrelay.gateway.stall import StallConfig
+from kvrelay.kvtransfer.layout import DEFAULT_MAX_MESSAGE_BYTES
 
 from kvrelay.log_format import setup_logging
 from kvrelay.models import BUNDLED_MODEL
@@ -31,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a routing policy from a kvrelay.routing plugin (default: the built-in prefix-cache "
                              "affinity with bounded load)")
     add_resilience_arguments(parser)
+    add_message_size_argument(parser)
     parser.add_argument("--plugins", default=None,
                         help="load only these plugins (comma-separated; default: $KVRELAY_PLUGINS, else all)")
 
@@ -49,6 +52,12 @@ def add_resilience_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds an open breaker waits before letting one probe request through")
 
 
+def add_message_size_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-message-bytes", type=parse_bytes, default=DEFAULT_MAX_MESSAGE_BYTES,
+                        help="largest gRPC message to and from the decode workers (default 4MiB); give the workers' "
+                             "--max-message-bytes, or long prompt-logprobs answers are refused with a 400")
+
+
 def build_backend(args: argparse.Namespace, prefill: str, decode: str):
     from kvrelay.gateway.disaggregated import DisaggregatedBackend
 
@@ -56,7 +65,8 @@ def build_backend(args: argparse.Namespace, prefill: str, decode: str):
                                 capacity=args.capacity or 256, dns_refresh_s=args.dns_refresh,
                                 routing_policy=getattr(args, "routing_policy", None),
                                 stall=StallConfig(max_s=args.stall_timeout),
-                                breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown))
+                                breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown),
+                                max_message_bytes=args.max_message_bytes)
 
 
 def run(args: argparse.Namespace) -> int:

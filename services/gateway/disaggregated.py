@@ -42,8 +42,14 @@ class DisaggregatedBackend:
     def __init__(self, prefill: str, decode: str, model: str, served_model_name: str | None = None,
                  capacity: int = 256, dns_refresh_s: float = 5.0, eject_after_s: float = 1.0,
                  load_interval_s: float = 0.2, routing_policy: str | None = None,
-                 stall: StallConfig | None = None, breaker: BreakerConfig | None = None):
+                 stall: StallConfig | None = None, breaker: BreakerConfig | None = None,
+                 max_message_bytes: int | None = None):
+        """max_message_bytes: the largest gRPC message read from or sent to a decode worker (the workers'
+        --max-message-bytes; None: the default, 4 MiB)."""
         from kvrelay.kvtransfer import client  # noqa: F401 - fail early if the workers' client is missing
+        from kvrelay.kvtransfer.layout import DEFAULT_MAX_MESSAGE_BYTES
+
+        self.max_message_bytes = max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
 
         self.model_dir = Path(model)
         self.tokenizer = Tokenizer(self.model_dir)
@@ -165,7 +171,7 @@ class DisaggregatedBackend:
         from kvrelay.kvtransfer.client import DecodeClient
 
         if address not in self._clients:
-            self._clients[address] = DecodeClient(address)
+            self._clients[address] = DecodeClient(address, self.max_message_bytes)
         return self._clients[address]
 
     async def generate(self, prompt, params: SamplingParams, request_id: str, priority: int = 0,

@@ -207,9 +207,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-shared-cache", action="store_true",
                         help="with --kv-shm-bytes: the prefill worker keeps its KV cache in /dev/shm and the "
                              "decode worker copies blocks straight out of it (CPU only)")
-    from kvrelay.gateway.cluster import add_resilience_arguments
+    from kvrelay.gateway.cluster import add_message_size_argument, add_resilience_arguments
 
     add_resilience_arguments(parser)
+    add_message_size_argument(parser)  # with --disaggregated: the workers' limit too
     w = WatchdogConfig()
     parser.add_argument("--watchdog-timeout", type=float, default=w.timeout_s,
                         help="the engine's step loop counts as hung after this many seconds without progress (or "
@@ -269,7 +270,8 @@ def start_worker(role: str, args: argparse.Namespace, port: int = 0) -> subproce
         cmd += ["--kv-shm-bytes", str(args.kv_shm_bytes)]
     elif args.kv_shared_cache and args.kv_shm_bytes:
         cmd += ["--kv-shared-cache"]
-    cmd += ["--watchdog-timeout", str(args.watchdog_timeout), "--watchdog-grace", str(args.watchdog_grace),
+    cmd += ["--max-message-bytes", str(args.max_message_bytes),
+            "--watchdog-timeout", str(args.watchdog_timeout), "--watchdog-grace", str(args.watchdog_grace),
             "--log-level", args.log_level, "--log-format", args.log_format,
             "--stats-interval", str(args.stats_interval)]
     # uvicorn re-raises the SIGTERM it handled once it has shut down, so the finally in

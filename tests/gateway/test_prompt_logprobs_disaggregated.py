@@ -109,3 +109,33 @@ def test_vllm_prompt_logprobs_equal_the_single_process(cluster, open_gateway):
     got = [c.model_extra["prompt_logprobs"] for c in remote.chat.completions.create(**chat, n=2).choices]
     assert_close(got, [c.model_extra["prompt_logprobs"] for c in local.chat.completions.create(**chat, n=2).choices])
 
+
+
+def test_gateway_message_limit_is_configurable(cluster):
+    """`kvrelay gateway --max-message-bytes` bounds what its decode clients read: prompt logprobs past a
+    small limit are a 400 naming the field before any compute; the default limit serves them."""
+    import argparse
+
+    from kvrelay.gateway import cluster as gateway_cli
+
+    parser = argparse.ArgumentParser()
+    gateway_cli.add_arguments(parser)
+    args = parser.parse_args(["--decode", "127.0.0.1:1", "--max-message-bytes", "16KiB"])
+    assert args.max_message_bytes == 16 * 1024
+    gw, (prefill, decode), _ = cluster
+    small = DisaggregatedBackend(prefill.address, decode.address, str(BUNDLED_MODEL),
+                                 max_message_bytes=args.max_message_bytes)
+    limited = InProcessGateway(backend=small)
+    try:
+        wait_for_workers(small)
+        kwargs = {"model": MODEL, "prompt": list(range(10, 110)), "max_tokens": 2, "temperature": 0.0,
+                  "extra_body": {"prompt_logprobs": 20}}  # 99 scored positions x 21 entries: up to 35 KB
+        computed = prefill.generation_tokens()
+        with pytest.raises(openai.BadRequestError) as e:
+            _client(limited.url).completions.create(**kwargs)
+        assert e.value.body["param"] == "prompt_logprobs" and "100 prompt tokens" in e.value.body["message"]
+        assert prefill.generation_tokens() == computed
+        got = _client(gw.url).completions.create(**kwargs).choices[0].model_extra["prompt_logprobs"]
+        assert len(got) == 100 and len(got[1]) >= 20
+    finally:
+        limited.stop()
