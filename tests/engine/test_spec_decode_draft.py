@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 from helpers import PROMPTS, greedy, make_engine, run_engine, serve
@@ -120,8 +121,13 @@ def test_serve_speculates_with_a_draft_and_exports_its_counters(draft, tmp_path)
         while engine.has_work():
             want += "".join(o.text for o in engine.step())
         assert got.choices[0].text == want
-        lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
-        drafts = [float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("kvrelay:spec_decode_num_drafts_total")]
+        # The engine process pushes its counters to the API process every 0.1 s: poll for them.
+        deadline, drafts = time.monotonic() + 30, []
+        while not (drafts and drafts[0] > 0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
+            drafts = [float(x.rsplit(" ", 1)[1]) for x in lines
+                      if x.startswith("kvrelay:spec_decode_num_drafts_total")]
         assert drafts and drafts[0] > 0
 
 
