@@ -10,9 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_engine_cpu_smoke_runs_every_section():
+def test_gpu_engine_cpu_smoke_runs_every_section(tmp_path):
+    # As on the GPU machine: kvrelay not installed, and the packages its image lacks not importable.
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_engine.py"), "--cpu-smoke"],
+        [_bare_python(tmp_path), str(ROOT / "benchmarks" / "gpu_engine.py"), "--cpu-smoke"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -25,29 +26,68 @@ def test_gpu_engine_cpu_smoke_runs_every_section():
     assert "hand-off 100 tokens over cuda-ipc" in summary and "identical: False" not in summary
     assert "moe Mixtral-shape triton eager" in summary and "moe greedy torch vs triton eager: 4/4 identical" in summary
     assert "moe greedy fp8 triton eager vs fp8 torch: 4/4 identical" in summary
+    assert "parallel stories260K greedy, cpu mp world size 1: 4/4 identical" in summary
     assert summary.rstrip().endswith("# failed sections: none")
 
 
-def test_package_map_imports_kvrelay_from_the_checkout_without_pip():
-    # Hide the editable install, as on a bare GPU machine, then map the packages from pyproject.
+# kvrelay's dependencies that the bare GPU machine's image lacks (it has torch, triton, transformers,
+# grpcio, protobuf, prometheus-client, msgpack, xxhash, httpx...): the device script must run without them.
+DEVICE_MISSING = ("fastapi", "starlette", "uvicorn", "pydantic", "redis", "kopf", "kubernetes", "zmq",
+                  "llguidance", "jsonschema", "openai", "mooncake")
+BLOCKER = """import sys
+class _Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {names!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (not on the GPU machine)", name=name)
+sys.meta_path.insert(0, _Missing())
+"""
+
+
+def _bare_python(tmp_path: Path) -> str:
+    """A venv that sees this one's packages but neither its editable kvrelay nor DEVICE_MISSING, as
+    on a bare GPU machine: a .pth line only appends a folder to sys.path, so the editable finder's
+    own .pth never runs; sitecustomize (run by every process of this python) blocks the rest."""
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=120)
+    python = tmp_path / "venv" / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    Path(site, "sitecustomize.py").write_text(BLOCKER.format(names=set(DEVICE_MISSING)))
+    return str(python)
+
+
+def test_package_map_imports_kvrelay_here_and_in_child_processes_without_pip(tmp_path):
     code = (
-        "import sys\n"
-        "sys.meta_path = [f for f in sys.meta_path if 'editable' not in type(f).__name__.lower()\n"
-        "                 and 'editable' not in repr(f).lower()]\n"
-        "try:\n"
-        "    import kvrelay.engine\n"
-        "    sys.exit('kvrelay still importable: the test cannot hide it')\n"
-        "except ImportError:\n"
-        "    pass\n"
-        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
-        "import package_map\n"
-        "package_map.map_kvrelay()\n"
-        "import kvrelay.engine.llm_engine, kvrelay.kernels.registry, kvrelay.models\n"
-        "print(kvrelay.engine.llm_engine.__file__)\n"
-        "print(kvrelay.kernels.registry.__file__)\n"
+        "import multiprocessing, subprocess, sys\n"
+        "def main():\n"
+        "    try:\n"
+        "        import kvrelay.engine\n"
+        "        sys.exit('kvrelay still importable: the test cannot hide it')\n"
+        "    except ImportError:\n"
+        "        pass\n"
+        f"    sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "    import package_map\n"
+        "    package_map.map_kvrelay()\n"
+        "    import kvrelay.engine.llm_engine, kvrelay.kernels.registry, kvrelay.models, kvrelay.gateway.structured\n"
+        "    print(kvrelay.engine.llm_engine.__file__)\n"
+        "    print(kvrelay.kernels.registry.__file__)\n"
+        "    from kvrelay.engine.parallel.worker import decode, encode\n"
+        "    # The parallel ranks are spawned: unpickling a kvrelay function imports kvrelay afresh there.\n"
+        "    with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
+        "        print(decode(pool.apply(encode, ('spawned',))))\n"
+        "    child = 'import kvrelay.engine.llm_engine, kvrelay.v1.common_pb2; print(\"subprocess\")'\n"
+        "    print(subprocess.run([sys.executable, '-c', child], capture_output=True, text=True).stdout.strip())\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    script = tmp_path / "probe.py"
+    script.write_text(code)
+    out = subprocess.run([_bare_python(tmp_path), str(script)], capture_output=True, text=True, timeout=300,
+                         check=False, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    engine_file, kernels_file = out.stdout.split()
-    assert Path(engine_file) == ROOT / "services" / "engine" / "llm_engine.py"
-    assert Path(kernels_file) == ROOT / "kernels" / "ops" / "registry.py"
+    engine_file, kernels_file, spawned, child = out.stdout.split()
+    assert Path(engine_file).resolve() == ROOT / "services" / "engine" / "llm_engine.py"
+    assert Path(kernels_file).resolve() == ROOT / "kernels" / "ops" / "registry.py"
+    assert (spawned, child) == ("spawned", "subprocess")

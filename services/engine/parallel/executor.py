@@ -27,6 +27,7 @@ from multiprocessing.connection import wait
 
 import torch
 import torch.multiprocessing as mp
+from kvrelay.engine.cpu_threads import usable_cpus
 from kvrelay.engine.errors import EngineError
 from kvrelay.engine.parallel.layers import check_parallel
 from kvrelay.engine.parallel.multinode import Leader, NodeLayout, join_timeout, parse_layout, token_from_env

@@ -24,6 +24,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, wait
 
 import torch.multiprocessing as mp
+from kvrelay.engine.cpu_threads import usable_cpus
 from kvrelay.engine.parallel.worker import WorkerSpec, decode, encode, worker_main
 
 log = logging.getLogger(__name__)
