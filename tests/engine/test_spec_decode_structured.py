@@ -153,8 +153,11 @@ def test_logprobs_and_stop_conditions_behave_as_without_speculation():
     assert spec["stop"]["text"] == "She loved to " and spec["eos"]["text"] in CHOICES
     want, got = plain["logprobs"]["lps"], spec["logprobs"]["lps"]
     assert len(got) == len(want) == len(spec["logprobs"]["ids"]) > 10
+    # Verification scores K+1 rows in one forward where plain decoding scores one: the float32 matmuls
+    # accumulate in another order (and with another thread split), so logprobs agree to a few ULP of
+    # the logits, not bit for bit (1.05e-5 apart at -9.4 was seen in CI). Token choice must not move.
     for a, b in zip(got, want):
-        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
