@@ -74,7 +74,6 @@ class _Choice:
     chat_logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     generated: int = 0
-    started: bool = False
 
 
 class GenerationResponse(Response):
@@ -91,6 +90,7 @@ class GenerationResponse(Response):
         self.last_token_at: float | None = None
         self._itl = gateway.metrics.itl.labels(prepared.model)  # observed per token: bind the labels once
         self._prompt_tokens = sum(len(x) for x in prepared.prompts)
+        self._generated = 0  # tokens generated so far, all choices
         self._event_ends: tuple[str, str] | None = None  # a chunk's JSON around its choices (_event)
         self.access: dict = {}  # this request's access-line fields (access_log.py), bound in __call__
 
@@ -231,9 +231,9 @@ class GenerationResponse(Response):
             out = dataclasses.replace(out, new_token_ids=[], text="", logprobs=None, num_generated_tokens=0,
                                       finish_reason=out.finish_reason and "length")
         index = i * p.params.n + out.index
-        if index not in self.choices and p.echo and p.logprobs:  # generated offsets follow the prompt's text
-            self.choices[index] = _Choice(length=len(p.echo[i]))
-        c = self.choices.setdefault(index, _Choice())
+        c = self.choices.get(index)
+        if c is None:  # with echo and logprobs, generated offsets follow the prompt's text
+            c = self.choices[index] = _Choice(length=len(p.echo[i]) if p.echo and p.logprobs else 0)
         now = time.monotonic()
         if out.new_token_ids:
             if self.last_token_at is None:
@@ -242,12 +242,12 @@ class GenerationResponse(Response):
             else:
                 self._itl.observe(now - self.last_token_at)
             self.last_token_at = now
-        c.started = c.started or bool(out.new_token_ids)
+        self._generated += out.num_generated_tokens - c.generated
         c.generated = out.num_generated_tokens
         if out.num_cached_tokens:
             self.cached[i] = max(self.cached.get(i, 0), out.num_cached_tokens)
         if p.admission is not None:  # reported with lease renewals: what a dead gateway's lease settles at
-            p.admission.used = self._prompt_tokens + sum(x.generated for x in self.choices.values())
+            p.admission.used = self._prompt_tokens + self._generated
         c.finish_reason = out.finish_reason or c.finish_reason
         c.text.append(out.text)
         delta_lp = None
