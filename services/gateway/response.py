@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring
 
 from fastapi.responses import Response
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
@@ -53,6 +54,28 @@ def _engine_error(e: Exception, p: Prepared) -> ApiError:
 
 # json.dumps(obj, ensure_ascii=False, separators=(",", ":")), without building an encoder per call
 _json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def _flat_json(obj: dict) -> str:
+    """_json(obj), faster for the dicts of str, int, None (and such dicts) that most chunks' choices are:
+    the same bytes (json renders a str with encode_basestring and an int with int.__repr__); anything
+    else is left to the encoder."""
+    parts = []
+    for key, value in obj.items():
+        kind = type(value)
+        if type(key) is not str:
+            return _json(obj)
+        if value is None:
+            parts.append(f"{encode_basestring(key)}:null")
+        elif kind is str:
+            parts.append(f"{encode_basestring(key)}:{encode_basestring(value)}")
+        elif kind is int:
+            parts.append(f"{encode_basestring(key)}:{int.__repr__(value)}")
+        elif kind is dict:
+            parts.append(f"{encode_basestring(key)}:{_flat_json(value)}")
+        else:
+            return _json(obj)
+    return "{" + ",".join(parts) + "}"
 
 
 def _sse(obj: dict | str) -> bytes:
@@ -289,7 +312,7 @@ class GenerationResponse(Response):
             head = _json(self._chunk_base())[:-1] + ',"choices":'
             self._event_ends = ("data: " + head, (',"usage":null}' if self.p.include_usage else "}") + "\n\n")
         head, tail = self._event_ends
-        return f"{head}[{_json(choice)}]{tail}".encode()
+        return f"{head}[{_flat_json(choice)}]{tail}".encode()
 
     def _chunks(self, i: int, out) -> list[dict]:
         """The choice of each chunk this increment streams (one choice per chunk)."""

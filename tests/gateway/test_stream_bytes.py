@@ -13,6 +13,7 @@ from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.gateway.app import Gateway, create_app
 from kvrelay.gateway.backend import LocalBackend
 from kvrelay.gateway.gateway import GatewayConfig
+from kvrelay.gateway.response import _flat_json
 from kvrelay.gateway.structured import tools as tool_calling
 
 MODEL = "stories260K"
@@ -139,3 +140,16 @@ def test_batched_events_carry_the_whole_answer_in_order(answers, index):
             texts[choice["index"]] = texts.get(choice["index"], "") + (part or "")
     want = {c["index"]: c["text"] if path == "/v1/completions" else c["message"]["content"] for c in plain["choices"]}
     assert texts == want
+
+
+@pytest.mark.parametrize("obj", [
+    {"index": 0, "text": "plain", "logprobs": None, "finish_reason": None},
+    {"index": 12, "text": 'q"uote\\ \n\t\x00\x1f \u2028 é ✓ 😀 \ud800', "finish_reason": "stop"},
+    {"index": 1, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+    {"index": 1, "delta": {}, "logprobs": {"content": [{"token": "a", "logprob": -0.5, "bytes": [97]}]}},
+    {"index": -3, "big": 2**70, "flag": True, "off": False, "x": 1.5, "nan": float("nan"), "e": 1e300},
+    {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\": 1}"}}]}},
+    {1: "int key", "s": "x"}, {"k": {2: None}}, {}, {"d": {"e": {}}},
+])
+def test_flat_json_is_json_dumps(obj):
+    assert _flat_json(obj) == json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
