@@ -40,6 +40,15 @@ from kvrelay.gateway.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger(__name__)
 PRIORITY_BAND = 10_000  # > 2 x MAX_REQUEST_PRIORITY
+# A request with this little prompt text, and only fields that cost next to nothing to prepare (no
+# grammar to compile, no tools to render, no logits processors to load, no token ids to check), is
+# prepared on the event loop: the hop to a tokenizer thread and back costs more CPU (~150 us) than
+# tokenizing it (benchmarks/gateway_cpu.py).
+INLINE_PROMPT_CHARS = 256
+_INLINE_FIELDS = frozenset({
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+    "min_p", "n", "stream", "stream_options", "stop", "seed", "user", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "echo", "cache_salt", "priority"})
 
 
 @dataclass
@@ -217,14 +226,17 @@ class Gateway:
         texts = [raw] if isinstance(raw, str) else [x for x in raw if isinstance(x, str)]
         self._check_prompt_bytes(texts, "prompt")
         await self.check_request_rate(tenant)
-        return await self._offload(self._prepare_completion, body, tenant)
+        inline = isinstance(raw, str) and _inline(body, len(raw))
+        return await self._offload(self._prepare_completion, body, tenant, inline=inline)
 
     async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
         self.check_model(body.model, tenant)
-        self._check_prompt_bytes([m.content if isinstance(m.content, str) else p.text for m in body.messages
-                                  for p in ([None] if isinstance(m.content, str) else m.content or [])], "messages")
+        texts = [m.content if isinstance(m.content, str) else p.text for m in body.messages
+                 for p in ([None] if isinstance(m.content, str) else m.content or [])]
+        self._check_prompt_bytes(texts, "messages")
         await self.check_request_rate(tenant)
-        return await self._offload(self._prepare_chat, body, tenant)
+        inline = _inline(body, sum(len(t) for t in texts))
+        return await self._offload(self._prepare_chat, body, tenant, inline=inline)
 
     def cache_salt(self, tenant: Tenant, request_salt: str | None) -> str | None:
         """Tenants get prefix caches of their own (one per `prefix_cache_group` when set), so no tenant
@@ -254,7 +266,9 @@ class Gateway:
                 f"Rate limit reached for tenant {tenant.id!r}: requests_per_minute quota exhausted; retry after "
                 f"{headers['Retry-After']} s", "requests_per_minute", headers)
 
-    async def _offload(self, fn, *args):
+    async def _offload(self, fn, *args, inline: bool = False):
+        if inline:
+            return fn(*args)
         if self._prepare_waiting >= self.config.tokenizer_queue:
             raise errors.unavailable("The gateway is saturated: too many prompts waiting to be tokenized",
                                      "tokenizer_busy")
@@ -424,6 +438,11 @@ async def _merged(backend, p: Prepared):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _inline(body, chars: int) -> bool:
+    """Whether a request is small and plain enough to prepare on the event loop (INLINE_PROMPT_CHARS)."""
+    return chars <= INLINE_PROMPT_CHARS and body.model_fields_set <= _INLINE_FIELDS
 
 
 def _request_priority(body, tenant: Tenant) -> int:

@@ -15,10 +15,9 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = errors.too_large(f"Request body exceeds the limit of {self.max_bytes} bytes")
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await too_large.response()(scope, receive, send)
+            return await self._too_large(scope, receive, send)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -27,7 +26,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                return await too_large.response()(scope, receive, send)
+                return await self._too_large(scope, receive, send)
             if not message.get("more_body", False):
                 break
         body, replayed = b"".join(chunks), False
@@ -41,4 +40,6 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-
+    async def _too_large(self, scope, receive, send) -> None:
+        error = errors.too_large(f"Request body exceeds the limit of {self.max_bytes} bytes")
+        await error.response()(scope, receive, send)

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring
 
 from fastapi.responses import Response
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
@@ -51,9 +52,39 @@ def _engine_error(e: Exception, p: Prepared) -> ApiError:
                     code="internal_error")
 
 
+# json.dumps(obj, ensure_ascii=False, separators=(",", ":")), without building an encoder per call
+_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def _flat_json(obj: dict) -> str:
+    """_json(obj), faster for the dicts of str, int, None (and such dicts) that most chunks' choices are:
+    the same bytes (json renders a str with encode_basestring and an int with int.__repr__); anything
+    else is left to the encoder."""
+    parts = []
+    for key, value in obj.items():
+        kind = type(value)
+        if type(key) is not str:
+            return _json(obj)
+        if value is None:
+            parts.append(f"{encode_basestring(key)}:null")
+        elif kind is str:
+            parts.append(f"{encode_basestring(key)}:{encode_basestring(value)}")
+        elif kind is int:
+            parts.append(f"{encode_basestring(key)}:{int.__repr__(value)}")
+        elif kind is dict:
+            parts.append(f"{encode_basestring(key)}:{_flat_json(value)}")
+        else:
+            return _json(obj)
+    return "{" + ",".join(parts) + "}"
+
+
 def _sse(obj: dict | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    data = obj if isinstance(obj, str) else _json(obj)
     return f"data: {data}\n\n".encode()
+
+
+def _body(data: bytes, more: bool = True) -> dict:
+    return {"type": "http.response.body", "body": data, "more_body": more}
 
 
 @dataclass
@@ -66,7 +97,6 @@ class _Choice:
     chat_logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     generated: int = 0
-    started: bool = False
 
 
 class GenerationResponse(Response):
@@ -82,6 +112,9 @@ class GenerationResponse(Response):
         self.headers_sent = False
         self.last_token_at: float | None = None
         self._itl = gateway.metrics.itl.labels(prepared.model)  # observed per token: bind the labels once
+        self._prompt_tokens = sum(len(x) for x in prepared.prompts)
+        self._generated = 0  # tokens generated so far, all choices
+        self._event_ends: tuple[str, str] | None = None  # a chunk's JSON around its choices (_event)
         self.access: dict = {}  # this request's access-line fields (access_log.py), bound in __call__
 
     async def __call__(self, scope, receive, send) -> None:
@@ -161,11 +194,11 @@ class GenerationResponse(Response):
         if not self.headers_sent:
             await self._send_json(e.status, e.body(), send, e.headers)
         else:  # mid-stream: OpenAI-style error event, then close the stream
-            await send({"type": "http.response.body", "body": _sse(e.body()), "more_body": True})
-            await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+            await send(_body(_sse(e.body())))
+            await send(_body(_sse("[DONE]"), more=False))
 
     async def _send_json(self, status: int, body: dict, send, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        data = _json(body).encode()
         all_headers = {**self._extra_headers(), **(headers or {})}
         raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
         raw += [(k.lower().encode(), v.encode()) for k, v in all_headers.items()]
@@ -187,19 +220,28 @@ class GenerationResponse(Response):
         raw += [(k.lower().encode(), v.encode()) for k, v in self._extra_headers().items()]
         self.headers_sent = True
         await send({"type": "http.response.start", "status": 200, "headers": raw})
-        pending = [first]
+        # One body message per engine output (all its events); the last output's events go out with
+        # the usage chunk and [DONE], in the stream's final message.
+        samples, finished, held = len(p.prompts) * p.params.n, 0, b""
+        i, out = first
         while True:
-            for i, out in pending:
-                for chunk in self._chunks(i, out):
-                    await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
+            data = held + b"".join(map(self._event, self._chunks(i, out)))
+            finished += out.finished
+            held = data if finished >= samples else b""
+            if data and not held:
+                await send(_body(data))
             try:
-                pending = [await outputs.__anext__()]
+                i, out = await outputs.__anext__()
             except StopAsyncIteration:
                 break
+            except BaseException:
+                if held:  # events already made go out before any error event
+                    with contextlib.suppress(OSError):
+                        await send(_body(held))
+                raise
         if p.include_usage:
-            await send({"type": "http.response.body", "body": _sse(self._chunk_base() | {
-                "choices": [], "usage": self._usage()}), "more_body": True})
-        await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+            held += _sse(self._chunk_base() | {"choices": [], "usage": self._usage()})
+        await send(_body(held + _sse("[DONE]"), more=False))
 
     # -- turning engine outputs into OpenAI shapes
 
@@ -212,9 +254,9 @@ class GenerationResponse(Response):
             out = dataclasses.replace(out, new_token_ids=[], text="", logprobs=None, num_generated_tokens=0,
                                       finish_reason=out.finish_reason and "length")
         index = i * p.params.n + out.index
-        if index not in self.choices and p.echo and p.logprobs:  # generated offsets follow the prompt's text
-            self.choices[index] = _Choice(length=len(p.echo[i]))
-        c = self.choices.setdefault(index, _Choice())
+        c = self.choices.get(index)
+        if c is None:  # with echo and logprobs, generated offsets follow the prompt's text
+            c = self.choices[index] = _Choice(length=len(p.echo[i]) if p.echo and p.logprobs else 0)
         now = time.monotonic()
         if out.new_token_ids:
             if self.last_token_at is None:
@@ -223,12 +265,12 @@ class GenerationResponse(Response):
             else:
                 self._itl.observe(now - self.last_token_at)
             self.last_token_at = now
-        c.started = c.started or bool(out.new_token_ids)
+        self._generated += out.num_generated_tokens - c.generated
         c.generated = out.num_generated_tokens
         if out.num_cached_tokens:
             self.cached[i] = max(self.cached.get(i, 0), out.num_cached_tokens)
         if p.admission is not None:  # reported with lease renewals: what a dead gateway's lease settles at
-            p.admission.used = sum(len(x) for x in p.prompts) + sum(x.generated for x in self.choices.values())
+            p.admission.used = self._prompt_tokens + self._generated
         c.finish_reason = out.finish_reason or c.finish_reason
         c.text.append(out.text)
         delta_lp = None
@@ -263,11 +305,20 @@ class GenerationResponse(Response):
         obj = "text_completion" if p.kind == "completion" else "chat.completion.chunk"
         return {"id": p.request_id, "object": obj, "created": p.created, "model": p.model}
 
+    def _event(self, choice: dict) -> bytes:
+        """`_sse` of a streamed chunk, {**_chunk_base(), "choices": [choice], ("usage": None)}: its
+        constant JSON around the choice is rendered once per request."""
+        if self._event_ends is None:
+            head = _json(self._chunk_base())[:-1] + ',"choices":'
+            self._event_ends = ("data: " + head, (',"usage":null}' if self.p.include_usage else "}") + "\n\n")
+        head, tail = self._event_ends
+        return f"{head}[{_flat_json(choice)}]{tail}".encode()
+
     def _chunks(self, i: int, out) -> list[dict]:
+        """The choice of each chunk this increment streams (one choice per chunk)."""
         p = self.p
         first_of_choice = (i * p.params.n + out.index) not in self.choices
         index, _, delta_lp = self._absorb(i, out)
-        usage = {"usage": None} if p.include_usage else {}
         if p.kind == "completion":
             generated = "" if p.score_only else out.text
             text = p.echo[i] + generated if p.echo and first_of_choice else generated
@@ -280,23 +331,22 @@ class GenerationResponse(Response):
                 choice = {"index": index, "text": text, "logprobs": delta_lp, "finish_reason": out.finish_reason}
             if p.prompt_logprobs and first_of_choice:
                 choice["prompt_logprobs"] = self._vllm_prompt_logprobs(i)
-            return [self._chunk_base() | {"choices": [choice]} | usage]
+            return [choice]
         chunks = []
         if first_of_choice:
-            chunks.append(self._chunk_base() | {"choices": [{"index": index, "delta": {
-                "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]} | usage)
+            chunks.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None})
         if p.tools is not None:  # text that may be tool calls: gateway/structured/tools.py
             deltas, reason = p.tools.stream(index, out.text, out.finish_reason)
             if reason:
                 self.choices[index].finish_reason = reason
             for k, delta in enumerate(deltas or ([{}] if delta_lp or reason else [])):
                 last = k == max(len(deltas), 1) - 1
-                chunks.append(self._chunk_base() | {"choices": [{"index": index, "delta": delta, "logprobs": (
-                    delta_lp if k == 0 else None), "finish_reason": reason if last else None}]} | usage)
+                chunks.append({"index": index, "delta": delta, "logprobs": delta_lp if k == 0 else None,
+                               "finish_reason": reason if last else None})
         elif out.text or delta_lp or out.finish_reason:
             delta = {"content": out.text} if out.text else {}
-            chunks.append(self._chunk_base() | {"choices": [{"index": index, "delta": delta, "logprobs": delta_lp,
-                                                             "finish_reason": out.finish_reason}]} | usage)
+            chunks.append({"index": index, "delta": delta, "logprobs": delta_lp, "finish_reason": out.finish_reason})
         return chunks
 
     def _token_text(self, token_id: int) -> str:
@@ -315,7 +365,7 @@ class GenerationResponse(Response):
         return None if lps is None else vllm_lists(self._token_text, lps)
 
     def _usage(self) -> dict:
-        prompt = sum(len(x) for x in self.p.prompts)
+        prompt = self._prompt_tokens
         completion = sum(c.generated for c in self.choices.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
