@@ -67,7 +67,7 @@ def plan_threads(requested: int | None, reserved: int = 0, env: dict | None = No
     if env.get("OMP_NUM_THREADS"):
         return ThreadPlan(None, f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
     usable = usable_cpus() if usable is None else usable
-    kept = min(reserved, usable - 1)  # never below one thread for the engine
+    kept = _kept(reserved, usable)
     reason = f"{usable} usable CPUs"
     if kept:
         reason += f", {kept} kept for the API process"
@@ -77,4 +77,9 @@ def plan_threads(requested: int | None, reserved: int = 0, env: dict | None = No
 def split_cpus(parts: int, reserved: int = 0, usable: int | None = None) -> int:
     """Threads for each of `parts` engines sharing this machine with `reserved` CPUs kept aside."""
     usable = usable_cpus() if usable is None else usable
-    return max(1, (usable - min(reserved, usable - 1)) // parts)
+    return max(1, (usable - _kept(reserved, usable)) // parts)
+
+
+def _kept(reserved: int, usable: int) -> int:
+    """CPUs kept aside: at most `reserved`, and never the engine's last one."""
+    return min(reserved, usable - 1)

@@ -110,7 +110,6 @@ def test_vllm_prompt_logprobs_equal_the_single_process(cluster, open_gateway):
     assert_close(got, [c.model_extra["prompt_logprobs"] for c in local.chat.completions.create(**chat, n=2).choices])
 
 
-
 def test_gateway_message_limit_is_configurable(cluster):
     """`kvrelay gateway --max-message-bytes` bounds what its decode clients read: prompt logprobs past a
     small limit are a 400 naming the field before any compute; the default limit serves them."""
