@@ -209,3 +209,10 @@ class WorkerProcess:
                 self.proc.kill()
                 self.proc.wait(5)
         self.stderr.close()
+
+
+def engine_children(pid: int) -> list[int]:
+    """The engine-core processes `kvrelay serve` (pid) started."""
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "kvrelay.engine.core.process"], check=False,
+                         capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]

@@ -14,16 +14,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from gateway_helpers import GatewayProcess
+from gateway_helpers import GatewayProcess, engine_children
 from kvrelay.engine.errors import InvalidRequestError, PromptTooLongError
 
 PROMPT = "Once upon a time"
-
-
-def engine_children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "kvrelay.engine.core.process"], check=False,
-                         capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
 
 
 def alive(pid: int) -> bool:

@@ -6,6 +6,7 @@ Each test owns its redis-server (on a free port) so it can freeze or restart it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ import time
 
 import httpx
 import redis
-from gateway_helpers import GatewayProcess, InProcessGateway, write_tenants
+from gateway_helpers import GatewayProcess, InProcessGateway, engine_children, write_tenants
 from kvrelay.gateway.app import GatewayConfig
 from kvrelay.gateway.quota import QuotaManager, RedisQuotaStore
 from kvrelay.gateway.tenants import hash_key
@@ -43,6 +44,37 @@ def wait_for(predicate, timeout: float, what: str):
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.1)
 
+
+def _reported_use(db: redis.Redis, resv_key: str) -> int | None:
+    """The tokens used that the lease's last renewal reported ("reserved|day|used"); None once the
+    lease is gone (the request completed)."""
+    values = db.hvals(resv_key)
+    return int(values[0].split(b"|")[2]) if values else None
+
+
+def _stream_then_freeze_engine(gw: GatewayProcess, engine: int, db: redis.Redis, resv_key: str) -> socket.socket:
+    """Start a long stream and SIGSTOP `serve`'s engine process once the first chunk is out, so the
+    gateway holds its lease mid-request, renewing it with part of the reservation used. Returns the
+    client's socket, to keep open: closing it is a disconnect, which ends the request.
+
+    Back-pressure alone does not hold the stream: the kernel's send buffer (tcp_wmem, up to 4 MB)
+    takes all of it, and stories260K writes it in about a second. The freeze can still come after
+    the last token on a stalled machine: then the lease goes away, and we try again."""
+    body = json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True,
+                       "stream": True, "n": 4, "logprobs": 20}).encode()
+    for _ in range(5):
+        client = socket.create_connection(("127.0.0.1", gw.port))
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-api-key: k-ledger\r\n"
+                       b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        assert client.recv(1024).startswith(b"HTTP/1.1 200")  # sent with the first engine output
+        os.kill(engine, signal.SIGSTOP)
+        used = wait_for(lambda: (u := _reported_use(db, resv_key)) != 0 and ("gone" if u is None else u), 30,
+                        "a lease renewal reporting the tokens used, or the request's end")
+        if used != "gone":
+            return client
+        os.kill(engine, signal.SIGCONT)
+        client.close()
+    raise AssertionError("every stream finished before the engine could be frozen")
 
 def test_redis_frozen_during_admissions_takes_nothing_when_it_resumes(redis_server, own_tmp):
     tenants = write_tenants(own_tmp / "stall.yaml", [
@@ -90,24 +122,10 @@ def test_killed_gateway_mid_stream_is_charged_what_it_served_once_its_lease_expi
                             own_tmp / "doomed.log")
     resv_key = "kvrelay:quota:{ledger}:resv"
     db = redis.Redis.from_url(redis_server.url)
+    (engine,) = engine_children(doomed.proc.pid)
     try:
-        # A client that reads one chunk and then nothing, through a small receive buffer: the gateway
-        # blocks on back-pressure mid-stream, holding its lease with part of the reservation used.
-        body = json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True,
-                           "stream": True, "n": 4, "logprobs": 20}).encode()
-        client = socket.socket()
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        client.connect(("127.0.0.1", doomed.port))
-        client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-api-key: k-ledger\r\n"
-                       b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-        assert client.recv(1024).startswith(b"HTTP/1.1 200")
-
-        def reported():  # "reserved|day|used": the renewals report the tokens used so far
-            values = db.hvals(resv_key)
-            return values and int(values[0].split(b"|")[2]) > 0 and values[0]
-
-        wait_for(reported, 30, "a lease renewal reporting the tokens used")
-        doomed.kill()
+        client = _stream_then_freeze_engine(doomed, engine, db, resv_key)
+        doomed.kill()  # the API process first: with its engine gone it would end the request itself
         client.close()
         reserved, _, used = (int(x) for x in db.hvals(resv_key)[0].split(b"|"))  # no renewal after the kill
         assert 0 < used < reserved
@@ -121,3 +139,5 @@ def test_killed_gateway_mid_stream_is_charged_what_it_served_once_its_lease_expi
     finally:
         db.close()
         doomed.stop()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine, signal.SIGKILL)
