@@ -49,7 +49,9 @@ def main() -> None:
 
     engine.model.forward = timed_forward
     for i in range(args.seqs):
-        params = SamplingParams(max_tokens=args.steps + 10, temperature=0.8, seed=i, ignore_eos=True)
+        # Enough tokens for the warm-up, the timed steps and the profiled ones.
+        budget = (2 if args.profile else 1) * args.steps + 10
+        params = SamplingParams(max_tokens=budget, temperature=0.8, seed=i, ignore_eos=True)
         engine.add_request("Once upon a time", params, str(i))
     engine.step()  # prefill all prompts
     for _ in range(5):  # warm up decode
@@ -82,7 +84,7 @@ def profile_host_work(engine, steps: int) -> None:
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
-        engine.step()
+        assert len(engine.step()) == engine.stats().num_running
     profiler.disable()
     stats = pstats.Stats(profiler)
     print(f"host work per step without the forward, {steps} steps under cProfile:")

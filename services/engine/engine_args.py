@@ -69,6 +69,9 @@ class EngineArgs:
     # Detokenize a step's tokens during the next step's forward; None: on CUDA only (on CPU the
     # forward is synchronous, so there is nothing to overlap with).
     async_output: bool | None = None
+    # Launch step N+1 before reading step N's tokens (kvrelay.engine.async_scheduling): hides the
+    # host's work per step behind the GPU's. Off by default until the device benchmark shows it.
+    async_scheduling: bool = False
     speculative_method: str | None = None  # None | "ngram" | "draft"
     speculative_model: str | None = None  # the draft model's folder (method "draft")
     num_speculative_tokens: int = 4  # K: proposed tokens per sequence and step
@@ -140,6 +143,12 @@ class EngineArgs:
             "--enforce-eager",
             action="store_true",
             help="CUDA: run every step eagerly (no decode CUDA graphs)",
+        )
+        parser.add_argument(
+            "--async-scheduling",
+            action="store_true",
+            help="launch each step before reading the previous step's tokens, so scheduling, sampling's "
+            "launches and detokenizing overlap the GPU's work (one model process; no speculative decoding)",
         )
         parser.add_argument(
             "--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)"

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from kvrelay.engine.async_scheduling import PENDING, AsyncScheduling
 from kvrelay.engine.block_pool import BlockPool
 from kvrelay.engine.cpu_threads import plan_threads
 from kvrelay.engine.engine_args import EngineArgs, cpu_kv_cache_blocks
@@ -205,6 +206,13 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             from kvrelay.engine.parallel.pipeline import PipelineOverlap
 
             self.pipeline = PipelineOverlap(self, args.pipeline_parallel_size)
+        self.overlap = None  # --async-scheduling: step N+1 launched before step N's tokens are read
+        if args.async_scheduling:
+            if self.executor is not None or spec is not None:
+                raise ValueError("--async-scheduling runs one model in this process: it does not combine with "
+                                 "--tensor/--pipeline-parallel-size, --distributed-executor-backend mp or "
+                                 "--speculative-method")
+            self.overlap = AsyncScheduling(self)
         self.eos_ids = _as_id_set(self.generation_config.get("eos_token_id"))
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -218,6 +226,8 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         # CUDA: a step's detokenizing and stop strings run during the next step's forward, whose
         # launch returns at once; a token that ends its sequence by id or length is final at once.
         self.defer_outputs = args.async_output if args.async_output is not None else self.device.type == "cuda"
+        if self.overlap is not None:
+            self.defer_outputs = False  # outputs already come during the next step
         self._deferred: list[tuple[Sequence, int, object]] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -273,6 +283,8 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             seq.metrics.finished_time = time.monotonic()
             if seq in pending:  # never reported: dropped, as the synchronous engine drops a token
                 seq.token_ids.pop()  # computed after the client's last output
+            while seq.token_ids[-1] == PENDING:  # async scheduling: sampled, not read back yet
+                seq.token_ids.pop()
             outputs.append(self._output(seq, [], seq.detok.take(final=True)))
         return outputs
 
@@ -285,6 +297,7 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         # A dead parallel worker is work: the next step raises, so the engine fails at once.
         failed = self.executor is not None and self.executor.failed is not None
         in_flight = self.pipeline is not None and bool(self.pipeline.in_flight)
+        in_flight |= self.overlap is not None and self.overlap.in_flight is not None
         return self.scheduler.has_work() or bool(self._deferred) or failed or in_flight
 
     def stats(self) -> EngineStats:
@@ -321,6 +334,8 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             self.executor.check()
         if self.pipeline is not None:  # --pipeline-parallel-size > 1: overlapping stages
             return self.pipeline.step()
+        if self.overlap is not None:
+            return self.overlap.step()
         step = self.scheduler.schedule()
         if not step.seqs:
             return self._flush_deferred()
@@ -428,6 +443,10 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
 
     def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> RequestOutput:
         seq.token_ids.append(token)
+        return self._settle_token(seq, token, logprob, now)
+
+    def _settle_token(self, seq: Sequence, token: int, logprob, now: float) -> RequestOutput:
+        """Stop checks and the output of token, the last of seq.token_ids."""
         self.generation_tokens_total += 1
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now

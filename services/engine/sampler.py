@@ -6,6 +6,8 @@ request's seed), so what it samples does not depend on which other sequences sha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from kvrelay.engine.logits_processors import apply as apply_processors
 from kvrelay.engine.outputs import TokenLogprob
@@ -36,22 +38,28 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> None:
         apply_processors(seq.processors, seq.output_ids, row)
 
 
+def _to(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list on the device without waiting for the device: a blocking host-to-device
+    copy would wait for everything queued on the stream (an overlapped step's forward)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """Mask tokens outside top-k / top-p / min-p with -inf, row-wise. logits [R, V] (tempered)."""
     vocab, dev = logits.shape[1], logits.device
     if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+        ks = _to([k if 0 < k < vocab else vocab for k in top_k], dev)
         remove = torch.arange(vocab, device=dev)[None, :] >= ks[:, None]
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
         mass_before = probs.cumsum(dim=-1) - probs
-        remove |= mass_before >= torch.tensor(top_p, device=dev)[:, None]
+        remove |= mass_before >= _to(top_p, dev)[:, None]
         remove[:, 0] = False
         logits = logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
     if any(m > 0 for m in min_p):
         probs = logits.softmax(dim=-1)
-        threshold = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+        threshold = _to(min_p, dev)[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
@@ -64,23 +72,57 @@ def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     cumsum accumulates fp32 in fp64, so the CDF carries one fp32 rounding per entry. Tokens of
     probability 0 (filtered) never win: the CDF does not rise at them."""
     cdf = probs.cumsum(dim=-1)
-    targets = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
+    targets = _to(uniforms, cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]
     picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
     past_end = picked >= probs.shape[1]  # u * total rounded up to total: take the last token with p > 0
-    if bool(past_end.any()):
-        last_positive = probs.shape[1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
-        picked = torch.where(past_end, last_positive, picked)
-    return picked
+    if probs.device.type == "cpu" and not bool(past_end.any()):  # on CUDA reading it would wait
+        return picked
+    last_positive = probs.shape[1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+    return torch.where(past_end, last_positive, picked)
+
+
+@dataclass
+class Sampled:
+    """A step's sampled tokens, still on the device (nothing waited for them yet), and what the
+    logprobs they asked for need once the token ids are on the host."""
+
+    tokens: torch.Tensor  # [S] int64
+    raw_logprobs: torch.Tensor | None  # [len(want_logprobs), V]: log-softmax of the raw logits
+    want_logprobs: list[int]  # rows that asked for logprobs
+    top_k: list[int]  # their params.logprobs
+
+    @torch.inference_mode()
+    def logprobs(self, token_list: list[int]) -> list[TokenLogprob | None]:
+        """TokenLogprob (or None) per row, given the tokens read back from self.tokens."""
+        out: list[TokenLogprob | None] = [None] * len(token_list)
+        for r, (i, k) in enumerate(zip(self.want_logprobs, self.top_k)):
+            row = self.raw_logprobs[r]
+            top = []
+            if k:
+                vals, idx = row.topk(k)
+                top = list(zip(idx.tolist(), vals.tolist()))
+            out[i] = TokenLogprob(token_list[i], float(row[token_list[i]]), top)
+        return out
 
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
     """logits [S, V] fp32 (modified in place). Returns (token ids, TokenLogprob or None) per row."""
+    drawn = sample_on_device(logits, seqs)
+    tokens = drawn.tokens.tolist()
+    return tokens, drawn.logprobs(tokens)
+
+
+@torch.inference_mode()
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+    """sample() up to the tokens, without waiting for the device: the host reads nothing back.
+    Each sampled sequence's uniform is drawn from its stream now, in token order."""
     raw_logprobs = None
     params = [s.params for s in seqs]
     want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want_logprobs:
-        raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1)
+        rows = logits if len(want_logprobs) == len(seqs) else logits.index_select(0, _to(want_logprobs, logits.device))
+        raw_logprobs = torch.log_softmax(rows, dim=-1)
 
     for i, seq in enumerate(seqs):
         if seq.adjusts_logits:
@@ -98,25 +140,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]
     # max().indices: argmax (first of ties too), 3x faster on CPU rows of 32k
     tokens = None if everyone else logits.max(dim=-1).indices
     if sampled:
-        index = None if everyone else torch.tensor(sampled, device=logits.device)
+        index = None if everyone else _to(sampled, logits.device)
         rows = logits if index is None else logits.index_select(0, index)
         sp = params if everyone else [params[i] for i in sampled]
         temps = [p.temperature for p in sp]
         same = temps.count(temps[0]) == len(temps)
-        rows = rows / (temps[0] if same else torch.tensor(temps, device=logits.device)[:, None])  # the same fp32 division
+        rows = rows / (temps[0] if same else _to(temps, logits.device)[:, None])  # the same fp32 division
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in sp):
             rows = _filter(rows, [p.top_k for p in sp], [p.top_p for p in sp], [p.min_p for p in sp])
         drawn = _draw(rows.softmax(dim=-1), [seqs[i].rng.random() for i in sampled])
         tokens = drawn if index is None else tokens.index_copy_(0, index, drawn)
 
-    token_list = tokens.tolist()
-    logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-    for r, i in enumerate(want_logprobs):
-        row = raw_logprobs[r]
-        k = seqs[i].params.logprobs
-        top = []
-        if k:
-            vals, idx = row.topk(k)
-            top = list(zip(idx.tolist(), vals.tolist()))
-        logprobs[i] = TokenLogprob(token_list[i], float(row[token_list[i]]), top)
-    return token_list, logprobs
+    return Sampled(tokens, raw_logprobs, want_logprobs, [params[i].logprobs for i in want_logprobs])

@@ -110,6 +110,9 @@ class BuiltStep:
     # Prompt logprobs: (index in seqs, first position, rows) of prefill chunks whose positions that
     # predict a prompt token get logits too, after the sampling rows.
     prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # Overlapped steps: per decode row, the index of its input token in the previous step's sampled
+    # tokens (still on the device), or -1 where the host wrote the id; None when no row has one.
+    token_src: torch.Tensor | None = None
 
 
 class InputBatch:
@@ -122,15 +125,25 @@ class InputBatch:
         self.max_blocks = -(-max_model_len // block_size)
         self.tables = BlockTableRows(self.max_blocks, capacity=max(64, max_num_seqs))
         rows = max_num_seqs
-        nbytes = 8 * (4 * max_num_tokens + rows) + 4 * (rows * self.max_blocks + 3 * rows + 2) + 16 * _ALIGN
-        self.staging = Staging(nbytes, device)
+        nbytes = 8 * (5 * max_num_tokens + rows) + 4 * (rows * self.max_blocks + 3 * rows + 2) + 16 * _ALIGN
+        # Two, used in turn: with steps overlapped (async scheduling) the host builds step N+1
+        # while step N's copy may still be queued behind step N-1 on the device. The engine waits
+        # for step N-1 before it builds N+1, so the buffer N+1 reuses is free.
+        self._stagings = [Staging(nbytes, device), Staging(nbytes, device)]
+        self._turn = 0
+        self.staging = self._stagings[0]
 
     def build(self, seqs: list[Sequence], num_new: list[int], pad_decode_to: int | None = None,
-              all_logits: frozenset[int] = frozenset(), prompt_rows: frozenset[int] = frozenset()) -> BuiltStep:
+              all_logits: frozenset[int] = frozenset(), prompt_rows: frozenset[int] = frozenset(),
+              token_src: dict[int, int] | None = None) -> BuiltStep:
         """pad_decode_to: a decode-only step padded to this many rows (CUDA graph buckets); padding
         rows write no K/V (slot -1) and attend to nothing (length 0). all_logits: indices of seqs
-        whose every new token gets a row of logits (speculative verification), not only the last."""
+        whose every new token gets a row of logits (speculative verification), not only the last.
+        token_src: index in seqs -> index in the previous step's sampled tokens, for decodes whose
+        input token the host does not know yet (see BuiltStep.token_src)."""
         bs = self.bs
+        self.staging = self._stagings[self._turn]
+        self._turn ^= 1
         # Decode rows: single-token decodes, and the short extend chunks of speculative verification
         # (all_logits), one row per token: the row at position p attends to the cache up to p, which
         # the step has written by then. So verification runs the batched decode kernel, not a
@@ -250,6 +263,12 @@ class InputBatch:
         pqsl[1:] = np.cumsum(pre_counts)
         plen, plen_off = st.take(len(pre), np.int32)
         plen[:] = pre_starts + pre_counts
+        src_off = None
+        if token_src:
+            if all_logits:
+                raise ValueError("an overlapped step carries no speculative verification")
+            src, src_off = st.take(nd, np.int64)
+            src[:] = np.fromiter((token_src.get(i, -1) for i in dec), dtype=np.int64, count=nd)
         st.send()
 
         v = st.device_view
@@ -266,4 +285,5 @@ class InputBatch:
             prefill_seq_lens=v(plen_off, (len(pre),), torch.int32),
             logits_indices=v(lg_off, (num_logits,), torch.int64),
         )
-        return BuiltStep(batch, sample_idx, nd, rows_per_sample, prompt_spans)
+        src_dev = None if src_off is None else v(src_off, (nd,), torch.int64)
+        return BuiltStep(batch, sample_idx, nd, rows_per_sample, prompt_spans, src_dev)

@@ -42,15 +42,23 @@ class ModelRunner:
         return self.graphs.bucket(len(num_new))
 
     def execute(self, seqs: list[Sequence], num_new: list[int], all_logits: frozenset[int] = frozenset(),
-                prompt_rows: frozenset[int] = frozenset()) -> tuple[torch.Tensor | None, list[int], list[int]]:
+                prompt_rows: frozenset[int] = frozenset(), token_src: dict[int, int] | None = None,
+                prev_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor | None, list[int], list[int]]:
         """Runs the step (K/V of every scheduled token written into the cache). Returns fp32 logits,
         the positions in seqs of the sequences that sample, and how many rows of logits each has
         (one; every new token's for those in all_logits). (None, [], []) when none samples.
         prompt_rows: indices of seqs that want prompt logprobs: their chunks' logits are left in
-        self.prompt_logits as (index in seqs, first position, fp32 logits [rows, vocab])."""
+        self.prompt_logits as (index in seqs, first position, fp32 logits [rows, vocab]).
+        token_src, prev_tokens: decodes whose input token is the previous step's sample, still on
+        the device (async scheduling): index in seqs -> index in prev_tokens."""
         size = None if all_logits or prompt_rows else self._graph_size(num_new)
         extra = {"prompt_rows": prompt_rows} if prompt_rows else {}  # the common call keeps build's old signature
+        if token_src:
+            extra["token_src"] = token_src
         built = self.inputs.build(seqs, num_new, pad_decode_to=size, all_logits=all_logits, **extra)
+        if built.token_src is not None:  # on the device, so nothing waits for the previous step
+            ids = built.batch.input_ids[: built.token_src.shape[0]]
+            ids.copy_(torch.where(built.token_src >= 0, prev_tokens[built.token_src.clamp(min=0)], ids))
         self.prompt_logits = []
         if built.prompt_spans:
             logits = self.model.forward(built.batch, self.kv_cache)

@@ -1,0 +1,171 @@
+"""Async scheduling (--async-scheduling): the host schedules and launches step N+1 before it reads
+step N's sampled tokens, then turns step N's tokens into outputs while the device runs N+1.
+
+On a GPU a step's launch returns at once, so the host's work per step (scheduling, batch building,
+sampling's launches, detokenizing, stop checks) hides behind the device's instead of adding to it.
+On CPU every op finishes before it returns: the same code runs, one step behind, for no gain.
+
+How a sequence runs one step ahead of its tokens:
+- When step N samples, each sampling sequence gets a PENDING entry where its token will go, so
+  the scheduler sees one more token to compute and schedules it in step N+1 as a decode.
+- Step N+1's input for that row is copied on the device from step N's sampled tokens
+  (InputBatch's token_src), so nothing waits for step N on the host.
+- Step N's tokens come back in one non-blocking copy to pinned memory. Once step N+1 is launched
+  the host waits for that copy alone, writes the tokens over the PENDING entries, registers the
+  blocks they filled in the prefix cache, and runs the stop checks. A sequence that stopped at N
+  computed one row in N+1 for nothing: that row is dropped, as the synchronous engine never
+  computes it. A sequence that ends by length at N gets no PENDING entry, so it is not scheduled.
+
+Outputs are the synchronous engine's: the same forwards in the same order per sequence, each
+seeded sequence drawing its uniforms from its own stream in token order. Freed and reused blocks
+need no fence: the device runs steps in launch order, so a block freed while step N+1 is in
+flight is written by a later step only after N+1 is done with it.
+
+A step waits for the previous one's tokens (no overlap) where the host needs them first: a
+sequence whose sampling reads its history (penalties, logits processors, a grammar), prompt
+logprobs, a previous step that returns logprobs, or a sequence preempted and scheduled again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from kvrelay.engine.outputs import RequestOutput
+from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
+from kvrelay.engine.sampler import Sampled, sample_on_device
+from kvrelay.engine.scheduler import ScheduledStep
+from kvrelay.engine.sequence import Sequence
+
+PENDING = -1  # where a token sampled by a step still on the device will go in token_ids
+
+
+def reads_history(seq: Sequence) -> bool:
+    """Whether sampling seq's next token reads the ids of its earlier tokens on the host."""
+    p = seq.params
+    return (p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+            or bool(seq.processors) or seq.grammar is not None)
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    computed: list[Sequence]  # every sequence the step computed (their full blocks register on collect)
+    seqs: list[Sequence]  # the sequences that sampled, in the order of sampled.tokens
+    slots: list[int]  # where each one's token goes in its token_ids
+    sampled: Sampled | None
+    host: torch.Tensor | None  # sampled.tokens on the host (pinned on CUDA), filled by `ready`
+    ready: torch.cuda.Event | None  # CUDA: recorded after the copy to `host`
+
+
+class AsyncScheduling:
+    """The engine's step with async scheduling; the engine keeps requests, outputs and finishing."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.in_flight: _InFlight | None = None
+
+    def step(self) -> list[RequestOutput]:
+        eng = self.engine
+        step = eng.scheduler.schedule()
+        prev, self.in_flight = self.in_flight, None
+        outputs: list[RequestOutput] = []
+        if prev is not None and (not step.seqs or not self._can_overlap(step, prev)):
+            outputs = self._collect(prev)  # this step needs the tokens on the host first
+            prev = None
+            step = _without_finished(step)
+        if not step.seqs:
+            return outputs
+        now = time.monotonic()
+        for seq in step.seqs:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+        self.in_flight = self._launch(step, prev)
+        if prev is not None:
+            outputs = self._collect(prev)
+        return outputs
+
+    def _can_overlap(self, step: ScheduledStep, prev: _InFlight) -> bool:
+        if prev.sampled is not None and prev.sampled.want_logprobs:
+            return False
+        for seq, n in zip(step.seqs, step.num_new):
+            if reads_history(seq) or seq.prompt_lps is not None:
+                return False
+            # A PENDING token is only ever the input of a decode row (not of a recomputed prompt).
+            if seq.token_ids[-1] == PENDING and (n != 1 or seq.num_computed != seq.num_tokens - 1):
+                return False
+        return True
+
+    def _launch(self, step: ScheduledStep, prev: _InFlight | None) -> _InFlight:
+        eng = self.engine
+        token_src = None
+        if prev is not None:
+            row_of = {seq: r for r, seq in enumerate(prev.seqs)}
+            token_src = {i: row_of[seq] for i, seq in enumerate(step.seqs) if seq.token_ids[-1] == PENDING}
+        scoring = frozenset(i for i, s in enumerate(step.seqs) if s.prompt_lps is not None
+                            and s.num_computed < s.prompt_len - 1)
+        logits, sample_idx, _ = eng.runner.execute(step.seqs, step.num_new, frozenset(), scoring, token_src,
+                                                   prev.sampled.tokens if token_src else None)
+        if scoring:
+            record_prompt_logprobs(step.seqs, eng.runner.prompt_logits)
+        for seq, n in zip(step.seqs, step.num_new):
+            seq.num_computed += n
+        if not sample_idx:
+            return _InFlight(step.seqs, [], [], None, None, None)
+        seqs = [step.seqs[i] for i in sample_idx]
+        sampled = sample_on_device(logits, seqs)
+        slots = []
+        for seq in seqs:
+            slots.append(seq.num_tokens)
+            if seq.num_generated + 1 < seq.max_tokens:  # else it ends by length: nothing to schedule
+                seq.token_ids.append(PENDING)
+        host, ready = sampled.tokens, None
+        if host.device.type == "cuda":
+            host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+            host.copy_(sampled.tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return _InFlight(step.seqs, seqs, slots, sampled, host, ready)
+
+    def _collect(self, f: _InFlight) -> list[RequestOutput]:
+        """Step f's tokens into token_ids, its filled blocks into the prefix cache, then outputs."""
+        eng = self.engine
+        tokens: list[int] = []
+        if f.sampled is not None:
+            if f.ready is not None:
+                f.ready.synchronize()  # this step's copy only; the next step keeps running
+            tokens = f.host.tolist()
+            for seq, slot, token in zip(f.seqs, f.slots, tokens):
+                if not seq.finished:  # else aborted since (its PENDING entries were dropped)
+                    if slot < seq.num_tokens:
+                        seq.token_ids[slot] = token
+                    else:
+                        seq.token_ids.append(token)
+        bs = eng.args.block_size
+        for seq in f.computed:  # every input token of the step is on the host now
+            if not seq.finished and seq.num_computed // bs > seq.num_registered:
+                eng.scheduler.register_full_blocks(seq)
+        if f.sampled is None:
+            return []
+        outputs = []
+        now = time.monotonic()
+        for seq, slot, token, lp in zip(f.seqs, f.slots, tokens, f.sampled.logprobs(tokens)):
+            if seq.finished:
+                continue
+            ahead = seq.num_tokens > slot + 1  # the PENDING entry of the step launched since
+            if ahead:
+                seq.token_ids.pop()
+            outputs.append(eng._settle_token(seq, token, lp, now))
+            if ahead and not seq.finished:
+                seq.token_ids.append(PENDING)
+        return outputs
+
+
+def _without_finished(step: ScheduledStep) -> ScheduledStep:
+    """The step less the sequences that finished while it waited (their blocks are freed)."""
+    keep = [k for k, seq in enumerate(step.seqs) if not seq.finished]
+    if len(keep) == len(step.seqs):
+        return step
+    return ScheduledStep(seqs=[step.seqs[k] for k in keep], num_new=[step.num_new[k] for k in keep])

@@ -1,0 +1,145 @@
+"""Async scheduling: step N+1 is launched before step N's tokens are read, with the same outputs."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from helpers import PROMPTS, make_engine
+from kvrelay.engine.async_scheduling import PENDING
+from kvrelay.engine.engine_args import EngineArgs
+from kvrelay.engine.sampling_params import SamplingParams
+from test_model_runner import _collect
+
+from kvrelay.models import BUNDLED_MODEL
+
+
+def _requests() -> dict[str, tuple]:
+    """Every kind of sequence: greedy, seeded, filtered, stops by string, id and length, n > 1,
+    logprobs, min_tokens, and a penalty (whose steps wait for the tokens)."""
+    return {
+        "greedy": (PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0)),
+        "stop_string": (PROMPTS[2], SamplingParams(max_tokens=60, temperature=0.0, stop=[" the", "."])),
+        "seeded_n3": (PROMPTS[3], SamplingParams(max_tokens=30, temperature=0.9, seed=7, n=3, top_k=20)),
+        "top_p": (PROMPTS[1], SamplingParams(max_tokens=45, temperature=0.8, seed=11, top_p=0.9, min_p=0.02)),
+        "stop_id": (PROMPTS[1], SamplingParams(max_tokens=50, temperature=0.7, seed=3, stop_token_ids=[426])),  # "." here
+        "long": (PROMPTS[0], SamplingParams(max_tokens=300, temperature=0.0)),
+        "logprobs": (PROMPTS[5], SamplingParams(max_tokens=20, temperature=0.9, seed=5, logprobs=3)),
+        "min_tokens": (PROMPTS[4], SamplingParams(max_tokens=20, temperature=0.0, min_tokens=8,
+                                                  stop_token_ids=[426])),  # "." here
+        "penalised": (PROMPTS[5], SamplingParams(max_tokens=25, temperature=0.0, repetition_penalty=1.3)),
+        "short": (PROMPTS[4], SamplingParams(max_tokens=1, temperature=0.0)),
+        "two": (PROMPTS[2], SamplingParams(max_tokens=2, temperature=0.5, seed=1)),
+    }
+
+
+def _same(sync: dict, overlapped: dict, skip=()) -> None:
+    assert overlapped.keys() == sync.keys()
+    for key, want in sync.items():
+        if key[0] in skip:
+            continue
+        got = overlapped[key]
+        assert {k: got[k] for k in ("ids", "text", "reason")} == {k: want[k] for k in ("ids", "text", "reason")}, key
+        # A stopped sequence computes one more (dropped) row, so batches differ: float sums too.
+        assert got["lps"] == pytest.approx(want["lps"], abs=1e-4), key
+
+
+@pytest.mark.parametrize("engine_kw", [
+    {},
+    {"max_num_batched_tokens": 24},  # chunked prefills beside overlapped decodes
+    {"num_kv_blocks": 33, "enable_prefix_caching": False},  # preemption (recompute) mid-flight
+    {"num_kv_blocks": 33, "scheduling_policy": "priority"},
+], ids=["plain", "chunked", "preempting", "priority"])
+def test_async_scheduling_gives_the_synchronous_outputs(engine_kw):
+    results, engines = [], []
+    for overlapped in (False, True):
+        engine = make_engine(BUNDLED_MODEL, async_scheduling=overlapped, **engine_kw)
+        requests = _requests()
+        if "num_kv_blocks" in engine_kw:  # more than the cache holds at once
+            requests |= {f"more{i}": (PROMPTS[i], SamplingParams(max_tokens=150, temperature=0.8, seed=i))
+                         for i in range(4)}
+        results.append(_collect(engine, requests))
+        engines.append(engine)
+        assert not engine.requests and engine.overlap is None if not overlapped else engine.overlap.in_flight is None
+        if not engine.args.enable_prefix_caching:
+            assert engine.pool.num_free == engine.pool.num_blocks
+    _same(*results)
+    sync, overlapped = results
+    assert sync[("stop_string", 0)]["reason"] == "stop" and sync[("stop_id", 0)]["reason"] == "stop"
+    assert sync[("short", 0)]["reason"] == "length" and len(sync[("short", 0)]["ids"]) == 1
+    assert engines[0].generation_tokens_total == engines[1].generation_tokens_total
+    if "num_kv_blocks" in engine_kw:
+        assert engines[1].scheduler.num_preemptions > 0
+
+
+def test_the_engine_runs_one_step_ahead_of_its_tokens():
+    """The step that launches a decode returns the tokens of the step before it: the decode's input
+    is that step's sample, still PENDING on the host, read on the device."""
+    engine = make_engine(BUNDLED_MODEL, async_scheduling=True)
+    (seq,) = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0.0), "r")
+    assert engine.step() == []  # the prefill is launched; its token not read yet
+    assert seq.token_ids[-1] == PENDING and seq.num_computed == seq.prompt_len
+    first = engine.step()  # the first decode is launched, then the prefill's token comes out
+    assert [len(o.new_token_ids) for o in first] == [1]
+    assert seq.token_ids[-2] == first[0].new_token_ids[0] and seq.token_ids[-1] == PENDING
+    assert seq.num_computed == seq.prompt_len + 1
+    ids = list(first[0].new_token_ids)
+    while engine.has_work():
+        for o in engine.step():
+            ids += o.new_token_ids
+            assert PENDING not in seq.token_ids or not o.finished
+    assert PENDING not in seq.token_ids and seq.output_ids == ids and len(ids) == 5
+    ref = make_engine(BUNDLED_MODEL)
+    ref.add_request(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0.0), "r")
+    want = []
+    while ref.has_work():
+        want += [t for o in ref.step() for t in o.new_token_ids]
+    assert ids == want
+
+
+def test_aborts_mid_flight_free_everything_and_leave_the_others_alone():
+    engine_kw = {"enable_prefix_caching": False}
+    sync = _collect(make_engine(BUNDLED_MODEL, **engine_kw), _requests())
+    engine = make_engine(BUNDLED_MODEL, async_scheduling=True, **engine_kw)
+    got = _collect_aborting(engine, _requests(), {"greedy": 4, "seeded_n3": 3, "long": 10})
+    _same(sync, got, skip={"greedy", "seeded_n3", "long"})
+    for key in [("greedy", 0), ("seeded_n3", 0), ("seeded_n3", 1), ("seeded_n3", 2), ("long", 0)]:
+        ids = got[key]["ids"]
+        assert got[key]["reason"] == "abort" and ids == sync[key]["ids"][: len(ids)], key
+    assert engine.pool.num_free == engine.pool.num_blocks and not engine.requests
+    # What was aborted holds no PENDING entry, and nothing still in flight refers to it.
+    assert engine.overlap.in_flight is None
+
+
+def _collect_aborting(engine, requests: dict[str, tuple], abort_after: dict[str, int]) -> dict:
+    """Like _collect, with each abort between steps (as AsyncEngine aborts), once sample 0 of the
+    request has that many tokens."""
+    out: dict[tuple, dict] = {}
+
+    def record(o):
+        rec = out.setdefault((o.request_id, o.index), {"ids": [], "text": "", "reason": None, "lps": []})
+        rec["ids"] += o.new_token_ids
+        rec["text"] += o.text
+        rec["lps"] += [lp.logprob for lp in o.logprobs or []]
+        rec["reason"] = o.finish_reason
+
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, rid)
+    while engine.has_work():
+        for o in engine.step():
+            record(o)
+        for rid, n in list(abort_after.items()):
+            if len(out.get((rid, 0), {"ids": []})["ids"]) >= n:
+                del abort_after[rid]
+                for o in engine.abort(rid):
+                    record(o)
+    return out
+
+
+def test_async_scheduling_refuses_what_it_does_not_combine_with():
+    with pytest.raises(ValueError, match="--async-scheduling"):
+        make_engine(BUNDLED_MODEL, async_scheduling=True, speculative_method="ngram")
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert EngineArgs.from_cli(parser.parse_args(["--async-scheduling"])).async_scheduling
+    assert not EngineArgs.from_cli(parser.parse_args([])).async_scheduling
