@@ -5,13 +5,14 @@
 
 Runs on a bare GPU machine with torch, triton and transformers: kvrelay is mapped from the checkout
 (benchmarks/package_map.py). Sections (--only parity,step,throughput,kernels):
-- parity: stories260K greedy on the device, with decode CUDA graphs and with --enforce-eager, against
-  the CPU torch path;
+- parity: stories260K greedy on the device, with decode CUDA graphs and with --enforce-eager, each
+  also with --async-scheduling, against the CPU torch path;
 - step: one decode step's wall time against the GPU's busy time (kernel time from torch.profiler, and
-  the graph's replay alone), graphs on and off, at 128 sequences of ~512 tokens and 16 of ~2048;
+  the graph's replay alone), graphs on (with and without --async-scheduling) and off, at 128
+  sequences of ~512 tokens and 16 of ~2048;
 - throughput: Llama-3.2-1B shapes (random bf16 weights), 128 requests, prompts 32-1024, outputs
-  32-256, EOS ignored: kvrelay with graphs, eager, and HF generate in a padded batch of 32 on the
-  same weights;
+  32-256, EOS ignored: kvrelay with graphs (with and without --async-scheduling), eager, and HF
+  generate in a padded batch of 32 on the same weights;
 - kernels: decode attention (with a split-count sweep at batch 1), prefill attention against SDPA,
   int8 W8A16 and FP8 W8A8 (torch._scaled_mm, rowwise scales) against bf16 F.linear;
 - spec: speculative decoding on the 1B shapes (benchmarks/gpu_spec.py);
@@ -117,6 +118,18 @@ def generate_all(engine, reqs, tag: str) -> tuple[int, float]:
     return generated, time.perf_counter() - start
 
 
+def set_async_scheduling(engine, on: bool) -> None:
+    """Turn --async-scheduling on or off on a built engine between runs (nothing in flight)."""
+    from kvrelay.engine.async_scheduling import AsyncScheduling
+
+    while engine.has_work():  # aborted requests may leave a step in flight
+        engine.step()
+    if not hasattr(engine, "_sync_defer_outputs"):
+        engine._sync_defer_outputs = engine.defer_outputs
+    engine.overlap = AsyncScheduling(engine) if on else None
+    engine.defer_outputs = False if on else engine._sync_defer_outputs
+
+
 # ---- sections ---------------------------------------------------------------------------------
 
 
@@ -125,7 +138,9 @@ def section_parity(rep: Report, device: str, smoke: bool) -> None:
 
     n = 48
     want = greedy_tokens(engine_for(BUNDLED_MODEL, "cpu", kernel_backend="torch"), PROMPTS, n)
-    modes = {"eager": {"enforce_eager": True}} if smoke else {"graphs": {}, "eager": {"enforce_eager": True}}
+    modes = {"eager": {"enforce_eager": True}, "eager_async": {"enforce_eager": True, "async_scheduling": True}}
+    if not smoke:
+        modes = {"graphs": {}, "graphs_async": {"async_scheduling": True}} | modes
     for name, kw in modes.items():
         engine = engine_for(BUNDLED_MODEL, device, kv_cache_memory=64 * 2**20, max_num_seqs=16, **kw)
         got = greedy_tokens(engine, PROMPTS, n)
@@ -188,8 +203,9 @@ def section_step(rep: Report, engine, vocab: int, cases, cuda: bool) -> None:
     runner = engine.runner
     captured = runner.graphs
     for nseq, ctx in cases:
-        for mode in ("graphs", "eager") if captured is not None else ("eager",):
-            runner.graphs = captured if mode == "graphs" else None
+        for mode in ("graphs", "graphs_async", "eager") if captured is not None else ("eager", "eager_async"):
+            runner.graphs = captured if mode.startswith("graphs") else None
+            set_async_scheduling(engine, mode.endswith("_async"))
             steps, prof_steps = (30, 5) if cuda else (3, 0)
             _prefill_all(engine, nseq, ctx, steps + prof_steps + 8, vocab, seed=nseq)
             for _ in range(3):
@@ -206,7 +222,7 @@ def section_step(rep: Report, engine, vocab: int, cases, cuda: bool) -> None:
                         engine.step()
                     torch.cuda.synchronize()
                 gpu = _kernel_ms(prof, prof_steps)
-                if mode == "graphs":
+                if mode.startswith("graphs"):
                     size = runner.graphs.bucket(nseq)
                     graph = runner.graphs.graphs[size][0]
                     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -218,6 +234,7 @@ def section_step(rep: Report, engine, vocab: int, cases, cuda: bool) -> None:
                     replay = t0.elapsed_time(t1) / 20
             for rid in list(engine.requests):
                 engine.abort(rid)
+            set_async_scheduling(engine, False)
             used = runner.graph_steps - before
             ratio = f"{wall / gpu:.2f}x" if gpu else "-"
             rep.add(f"step_{nseq}x{ctx}_{mode}",
@@ -236,9 +253,13 @@ def section_throughput(rep: Report, engine, model_dir: Path, reqs, hf_batch: int
     captured = runner.graphs
     budget = engine.scheduler.config.max_num_batched_tokens  # the engine is built for the largest
     rates = {}
-    modes = [("graphs", 2048), ("eager", 2048), ("graphs", budget)] if captured is not None else [("eager", 2048)]
+    modes = [("graphs", 2048), ("graphs_async", 2048), ("eager", 2048), ("graphs", budget),
+             ("graphs_async", budget)]
+    if captured is None:
+        modes = [("eager", 2048), ("eager_async", 2048)]
     for mode, tokens in modes:
-        runner.graphs = captured if mode == "graphs" else None
+        runner.graphs = captured if mode.startswith("graphs") else None
+        set_async_scheduling(engine, mode.endswith("_async"))
         engine.scheduler.config.max_num_batched_tokens = tokens
         generated, seconds = generate_all(engine, reqs, "t")
         key = mode if tokens == 2048 else f"{mode}_{tokens}"
@@ -247,6 +268,7 @@ def section_throughput(rep: Report, engine, model_dir: Path, reqs, hf_batch: int
                 f"throughput kvrelay {mode}, {tokens}-token step budget: {generated} tokens in {seconds:.2f} s = "
                 f"{rates[key]:,.0f} tok/s")
     runner.graphs = captured
+    set_async_scheduling(engine, False)
     engine.scheduler.config.max_num_batched_tokens = budget
     if not hf_batch:
         return

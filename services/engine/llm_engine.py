@@ -213,6 +213,7 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
                                  "--tensor/--pipeline-parallel-size, --distributed-executor-backend mp or "
                                  "--speculative-method")
             self.overlap = AsyncScheduling(self)
+            log.info("async scheduling: each step is launched before the previous step's tokens are read")
         self.eos_ids = _as_id_set(self.generation_config.get("eos_token_id"))
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)

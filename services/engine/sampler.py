@@ -40,8 +40,12 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> None:
 
 def _to(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A small host list on the device without waiting for the device: a blocking host-to-device
-    copy would wait for everything queued on the stream (an overlapped step's forward)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    copy would wait for everything queued on the stream (an overlapped step's forward). Pinned, so
+    the driver need not stage it; torch's pinned-memory cache keeps it until the copy has run."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:

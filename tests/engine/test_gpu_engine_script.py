@@ -19,7 +19,9 @@ def test_gpu_engine_cpu_smoke_runs_every_section(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = out.stdout.split("# summary", 1)[1]
     assert "parity stories260K greedy, cpu eager: 4/4 identical" in summary
+    assert "parity stories260K greedy, cpu eager_async: 4/4 identical" in summary
     assert "decode step 4 seqs" in summary and "throughput kvrelay eager" in summary
+    assert "x ~40 tokens, eager_async" in summary and "throughput kvrelay eager_async" in summary
     assert "throughput HF generate" in summary
     assert "decode_attention[splits=2]" in out.stdout and "int8_matmul" in out.stdout
     assert "speculative draft=target, batch 16" in summary and "identical to plain: True" in summary

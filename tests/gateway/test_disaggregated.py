@@ -132,7 +132,8 @@ def test_killed_decode_worker_is_ejected_and_traffic_continues(cluster_gateway, 
 def test_serve_disaggregated_hands_kv_over_shared_memory(own_tmp):
     """`kvrelay serve --disaggregated --kv-shm-bytes --kv-shared-cache`: the local decode worker
     keeps an arena and its doorbell socket in /dev/shm while it runs, the prefill worker its KV
-    cache (both removed on stop), and it answers like the in-process engine."""
+    cache (both removed on stop), and it answers like the in-process engine. Its workers run with
+    --async-scheduling (handed on as every engine flag is), which changes no token."""
     import asyncio
     from pathlib import Path
 
@@ -150,9 +151,11 @@ def test_serve_disaggregated_hands_kv_over_shared_memory(own_tmp):
 
     want = asyncio.run(reference())
     before = set(Path("/dev/shm").glob("kvrelay-kv-*"))
-    gw = GatewayProcess(["--host", "127.0.0.1", "--disaggregated", "--kv-shm-bytes", "8MiB", "--kv-shared-cache"],
-                        own_tmp / "serve.log")
+    gw = GatewayProcess(["--host", "127.0.0.1", "--disaggregated", "--kv-shm-bytes", "8MiB", "--kv-shared-cache",
+                         "--async-scheduling"], own_tmp / "serve.log")
     try:
+        workers = _children(gw.proc.pid).values()
+        assert sum("--async-scheduling" in cmd for cmd in workers) == 2, workers
         arenas = set(Path("/dev/shm").glob("kvrelay-kv-*")) - before  # arena, doorbell socket, prefill cache
         (arena,) = [a for a in arenas if not a.name.endswith(".sock") and a.stat().st_size == 8 << 20]
         (cache,) = arenas - {arena, arena.with_name(arena.name + ".sock")}

@@ -32,9 +32,9 @@ def metric(url: str, series: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.rsplit(" ", 1)[0] == series)
 
 
-@pytest.fixture(scope="module")
-def serve(tmp_path_factory):
-    gw = GatewayProcess([], tmp_path_factory.mktemp("serve") / "serve.log")
+@pytest.fixture(scope="module", params=[[], ["--async-scheduling"]], ids=["sync", "async-scheduling"])
+def serve(request, tmp_path_factory):
+    gw = GatewayProcess(request.param, tmp_path_factory.mktemp("serve") / "serve.log")
     yield gw
     gw.stop()
 
