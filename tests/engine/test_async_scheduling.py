@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 from helpers import PROMPTS, make_engine
 from kvrelay.engine.async_scheduling import PENDING
 from kvrelay.engine.engine_args import EngineArgs
@@ -134,6 +135,21 @@ def _collect_aborting(engine, requests: dict[str, tuple], abort_after: dict[str,
                 for o in engine.abort(rid):
                     record(o)
     return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_async_scheduling_on_cuda_graphs_gives_the_synchronous_outputs():  # pragma: no cover - CUDA only
+    """The overlap for real: launches return at once, step N+1's input ids come from step N's
+    samples on the device, and the tokens come back through pinned memory."""
+    results, engines = [], []
+    for overlapped in (False, True):
+        engine = make_engine(BUNDLED_MODEL, device="cuda", kv_cache_memory=64 * 2**20, max_num_seqs=16,
+                             async_scheduling=overlapped)
+        results.append(_collect(engine, _requests()))
+        engines.append(engine)
+    _same(*results)
+    assert engines[1].runner.graph_steps > 0
+    assert engines[1].pool.num_free == engines[1].pool.num_blocks or engines[1].args.enable_prefix_caching
 
 
 def test_async_scheduling_refuses_what_it_does_not_combine_with():
