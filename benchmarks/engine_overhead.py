@@ -23,6 +23,8 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engine's --async-scheduling (on CPU nothing overlaps: this measures its bookkeeping)")
     p.add_argument(
         "--profile",
         action="store_true",
@@ -37,7 +39,7 @@ def main() -> None:
     from kvrelay.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineArgs())
+    engine = LLMEngine(EngineArgs(async_scheduling=args.async_scheduling))
     forward = engine.model.forward
     forward_time = [0.0]
 
@@ -90,7 +92,7 @@ def profile_host_work(engine, steps: int) -> None:
     print(f"host work per step without the forward, {steps} steps under cProfile:")
     stats.sort_stats("tottime").print_stats(12)
     total = stats.total_tt
-    for name in ("_append_token", "build", "schedule", "sample"):
+    for name in ("_settle_token", "build", "schedule", "sample_on_device"):
         cum = sum(v[3] for k, v in stats.stats.items() if k[2] == name)
         print(f"  {name}: {100 * cum / total:.0f}% of the step (with what it calls)")
 
