@@ -10,6 +10,7 @@ from helpers import PROMPTS, make_engine
 from kvrelay.engine.async_scheduling import PENDING
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.structured.spec import GuidedSpec
 from test_model_runner import _collect
 
 from kvrelay.models import BUNDLED_MODEL
@@ -17,7 +18,7 @@ from kvrelay.models import BUNDLED_MODEL
 
 def _requests() -> dict[str, tuple]:
     """Every kind of sequence: greedy, seeded, filtered, stops by string, id and length, n > 1,
-    logprobs, min_tokens, and a penalty (whose steps wait for the tokens)."""
+    logprobs, min_tokens, and a penalty and a grammar (whose steps wait for the tokens)."""
     return {
         "greedy": (PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0)),
         "stop_string": (PROMPTS[2], SamplingParams(max_tokens=60, temperature=0.0, stop=[" the", "."])),
@@ -29,6 +30,8 @@ def _requests() -> dict[str, tuple]:
         "min_tokens": (PROMPTS[4], SamplingParams(max_tokens=20, temperature=0.0, min_tokens=8,
                                                   stop_token_ids=[426])),  # "." here
         "penalised": (PROMPTS[5], SamplingParams(max_tokens=25, temperature=0.0, repetition_penalty=1.3)),
+        "grammar": (PROMPTS[3], SamplingParams(max_tokens=40, temperature=1.0, seed=2, n=2, structured=GuidedSpec(
+            "regex", r"(The|A) (cat|dog|bird) (ran|sat|sang)( and (ran|sat|sang)){0,12}\."))),
         "short": (PROMPTS[4], SamplingParams(max_tokens=1, temperature=0.0)),
         "two": (PROMPTS[2], SamplingParams(max_tokens=2, temperature=0.5, seed=1)),
     }
@@ -68,6 +71,7 @@ def test_async_scheduling_gives_the_synchronous_outputs(engine_kw):
     sync, overlapped = results
     assert sync[("stop_string", 0)]["reason"] == "stop" and sync[("stop_id", 0)]["reason"] == "stop"
     assert sync[("short", 0)]["reason"] == "length" and len(sync[("short", 0)]["ids"]) == 1
+    assert sync[("grammar", 1)]["text"].endswith(".") and sync[("grammar", 1)]["reason"] == "stop"
     assert engines[0].generation_tokens_total == engines[1].generation_tokens_total
     if "num_kv_blocks" in engine_kw:
         assert engines[1].scheduler.num_preemptions > 0
