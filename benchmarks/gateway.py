@@ -304,6 +304,26 @@ def summary(name: str, results: list[tuple[int, float, float]]) -> dict[str, flo
     return row
 
 
+def loop_name(choice: str) -> str:
+    """What uvicorn's loop="auto" would pick (uvloop when installed), or asyncio."""
+    if choice == "auto":
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            return "asyncio"
+        return "uvloop"
+    return "asyncio"
+
+
+def run_on_loop(coro, choice: str):
+    """Run coro on the event loop `kvrelay serve` would use (--loop auto) or on asyncio's."""
+    if loop_name(choice) == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=20.0, help="requests per second")
@@ -323,6 +343,9 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true",
                         help="serve a bare SSE app on the same engine and HTTP server instead of the gateway: "
                              "what HTTP streaming alone adds on this machine")
+    parser.add_argument("--loop", choices=["auto", "asyncio"], default="auto",
+                        help="the gateway's event loop: auto is uvloop when installed, as `kvrelay serve` "
+                             "(uvicorn) picks it; asyncio is the standard library's")
     parser.add_argument("--client-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--start", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -336,10 +359,10 @@ def main() -> None:
         app = "a bare SSE app (--floor)" if args.floor else "kvrelay serve"
         setup = f"{app} ({engine}), HTTP client in {where}"
     print(f"{args.requests} streaming requests at {args.rate}/s, {args.max_tokens} tokens each, "
-          f"quota store: {'redis' if args.redis_url else 'memory'}; {setup}")
+          f"quota store: {'redis' if args.redis_url else 'memory'}; {setup}; loop {loop_name(args.loop)}")
     with tempfile.TemporaryDirectory() as folder:
         run = run_cluster if args.cluster else run_interleaved
-        direct_results, via_results = asyncio.run(run(args, folder))
+        direct_results, via_results = run_on_loop(run(args, folder), args.loop)
     direct = summary("direct", direct_results)
     via = summary("gateway", via_results)
     for key in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99"):

@@ -15,6 +15,7 @@ Figures are CPU microseconds, not latency; a shared machine makes them noisy (ta
 several --rounds). --profile prints a cProfile of the gateway path instead.
 
     .venv/bin/python benchmarks/gateway_cpu.py [--requests 200] [--tokens 32] [--rounds 3] [--chat] [--profile]
+        [--loop auto|asyncio]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gateway import PROMPT, write_tenants
+from gateway import PROMPT, loop_name, run_on_loop, write_tenants
 
 
 def http_scope(path: str, body: bytes) -> dict:
@@ -171,4 +172,8 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chat", action="store_true", help="/v1/chat/completions instead of /v1/completions")
     parser.add_argument("--profile", action="store_true", help="cProfile the gateway path (tottime, top 40)")
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument("--loop", choices=["auto", "asyncio"], default="auto",
+                        help="auto: uvloop when installed, as `kvrelay serve` runs; asyncio: the standard library's")
+    args = parser.parse_args()
+    print(f"event loop: {loop_name(args.loop)}")
+    run_on_loop(main(args), args.loop)
