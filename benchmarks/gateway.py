@@ -166,7 +166,7 @@ async def run_interleaved(args, folder: str) -> tuple[list, list]:
         process = EngineProcess.start(engine_args, "warning")
     gateway = Gateway(LocalBackend(engine_args, process), TenantRegistry(tenants), QuotaManager(store))
     port = free_port()
-    # The front door `kvrelay serve` uses (h11 with header limits), unless --httptools asks for uvicorn's default.
+    # The front door `kvrelay serve` uses (httptools with header limits), unless --httptools asks for uvicorn's bare default.
     http = {} if args.httptools else uvicorn_options(gateway.config.frontdoor)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     app = bare_sse_app(gateway.backend, params) if args.floor else create_app(gateway)
@@ -333,7 +333,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--redis-url", default=None, help="quota store for the gateway run (default: in-memory)")
     parser.add_argument("--httptools", action="store_true",
-                        help="serve with uvicorn's default HTTP parser instead of the gateway's front door (h11)")
+                        help="serve with uvicorn's bare httptools protocol instead of the gateway's front door (its limits)")
     parser.add_argument("--in-process-client", action="store_true",
                         help="read the gateway's streams from this process's event loop (the old set-up)")
     parser.add_argument("--engine-process", action="store_true",

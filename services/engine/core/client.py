@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import zmq
-import zmq.asyncio
 from kvrelay.engine.core.process import READY_LINE
 from kvrelay.engine.core.protocol import EngineInfo, decode, encode
 from kvrelay.engine.engine_args import EngineArgs
@@ -89,9 +88,13 @@ class EngineCoreClient:
         self._streams: dict[str, asyncio.Queue] = {}
         self._dead: BaseException | None = None
         self.unhealthy: str | None = None  # the engine process's watchdog finds its step loop hung: why
-        self._reader: asyncio.Task | None = None
-        self._ctx = zmq.asyncio.Context()
-        self._inbox = self._ctx.socket(zmq.PULL)
+        self._loop: asyncio.AbstractEventLoop | None = None  # set while the inbox is read
+        self._ready: asyncio.Future | None = None
+        # Read through the event loop's own poller (add_reader on the socket's FD, then drain it):
+        # zmq.asyncio's futures and flag enums cost about a third of the API process's CPU per
+        # streamed token (benchmarks/gateway_cpu.py --profile).
+        self._inbox = zmq.Context.instance().socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
         # A plain (blocking-API) socket for sending: with no high-water mark a send only queues, so
         # it can run anywhere, including an async generator's finally during garbage collection.
         self._outbox = zmq.Context.instance().socket(zmq.PUSH)
@@ -102,17 +105,18 @@ class EngineCoreClient:
         d = self.process.directory
         self._inbox.connect(f"ipc://{d}/out")
         self._outbox.connect(f"ipc://{d}/in")
-        kind, info = decode(await self._inbox.recv())
-        if kind != "ready":
-            raise EngineDeadError(f"the engine process sent {kind!r} before it was ready: {info}")
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._loop.add_reader(self._inbox.getsockopt(zmq.FD), self._drain)
+        self._drain()  # what arrived before the reader was registered
+        info = await self._ready
         self._info = info
         self.model_name, self.max_model_len = info.model_name, info.max_model_len
-        self._reader = asyncio.create_task(self._read())
         threading.Thread(target=self._watch, args=(asyncio.get_running_loop(),), daemon=True).start()
 
     @property
     def is_running(self) -> bool:
-        return self._reader is not None and self._dead is None
+        return self._ready is not None and self._ready.done() and self._dead is None
 
     def default_sampling_params(self) -> SamplingParams:
         return self._info.default_sampling_params
@@ -159,33 +163,48 @@ class EngineCoreClient:
             except subprocess.TimeoutExpired:
                 pass
         self.process.stop()
-        if self._reader is not None:
-            self._reader.cancel()
+        if self._loop is not None:
+            self._loop.remove_reader(self._inbox.getsockopt(zmq.FD))
+            self._loop = None
         self._inbox.close()
         self._outbox.close()
 
     def _send(self, message: tuple) -> None:
         self._outbox.send(encode(message))
 
-    async def _read(self) -> None:
-        while True:
-            msg = decode(await self._inbox.recv())
-            kind = msg[0]
-            if kind == "outs":
-                for out in msg[1]:
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put_nowait(out)
-            elif kind == "stats":
-                self._stats = msg[1]
-            elif kind == "error":
-                stream = self._streams.get(msg[1])
+    def _drain(self) -> None:
+        """Every message waiting in the inbox. The socket's FD only signals that its state changed,
+        so each wake-up reads until nothing is left."""
+        while self._loop is not None:
+            try:
+                raw = self._inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(decode(raw))
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if not self._ready.done():
+            if kind == "ready":
+                self._ready.set_result(msg[1])
+            else:
+                self._ready.set_exception(EngineDeadError(f"the engine process sent {kind!r} before it was "
+                                                          f"ready: {msg[1:]}"))
+        elif kind == "outs":
+            for out in msg[1]:
+                stream = self._streams.get(out.request_id)
                 if stream is not None:
-                    stream.put_nowait(msg[2])
-            elif kind == "health":
-                self.unhealthy = msg[1]
-            elif kind == "fatal":
-                self._fail(EngineDeadError(msg[1]))
+                    stream.put_nowait(out)
+        elif kind == "stats":
+            self._stats = msg[1]
+        elif kind == "error":
+            stream = self._streams.get(msg[1])
+            if stream is not None:
+                stream.put_nowait(msg[2])
+        elif kind == "health":
+            self.unhealthy = msg[1]
+        elif kind == "fatal":
+            self._fail(EngineDeadError(msg[1]))
 
     def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
         code = self.process.proc.wait()
