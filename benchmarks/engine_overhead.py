@@ -86,7 +86,7 @@ def profile_host_work(engine, steps: int) -> None:
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
-        assert len(engine.step()) == engine.stats().num_running
+        assert len(engine.step()) == len(engine.scheduler.running)
     profiler.disable()
     stats = pstats.Stats(profiler)
     print(f"host work per step without the forward, {steps} steps under cProfile:")

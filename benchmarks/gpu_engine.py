@@ -124,10 +124,7 @@ def set_async_scheduling(engine, on: bool) -> None:
 
     while engine.has_work():  # aborted requests may leave a step in flight
         engine.step()
-    if not hasattr(engine, "_sync_defer_outputs"):
-        engine._sync_defer_outputs = engine.defer_outputs
     engine.overlap = AsyncScheduling(engine) if on else None
-    engine.defer_outputs = False if on else engine._sync_defer_outputs
 
 
 # ---- sections ---------------------------------------------------------------------------------

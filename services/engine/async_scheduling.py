@@ -115,7 +115,7 @@ class AsyncScheduling:
         if not sample_idx:
             return _InFlight(step.seqs, [], [], None, None, None)
         seqs = [step.seqs[i] for i in sample_idx]
-        sampled = sample_on_device(logits, seqs)
+        sampled = sample_on_device(logits, seqs, wait_free=True)
         slots = []
         for seq in seqs:
             slots.append(seq.num_tokens)

@@ -227,8 +227,6 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         # CUDA: a step's detokenizing and stop strings run during the next step's forward, whose
         # launch returns at once; a token that ends its sequence by id or length is final at once.
         self.defer_outputs = args.async_output if args.async_output is not None else self.device.type == "cuda"
-        if self.overlap is not None:
-            self.defer_outputs = False  # outputs already come during the next step
         self._deferred: list[tuple[Sequence, int, object]] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0

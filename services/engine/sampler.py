@@ -68,7 +68,7 @@ def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: l
     return logits
 
 
-def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+def _draw(probs: torch.Tensor, uniforms: list[float], wait_free: bool = False) -> torch.Tensor:
     """One token per row of probs [R, V] by inverse CDF: the first token whose cumulative
     probability exceeds u * total. One uniform per row from the sequence's own stream, so a seeded
     row does not depend on the batch; 57x faster at [64, 32000] than drawing V exponentials per
@@ -79,7 +79,8 @@ def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     targets = _to(uniforms, cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]
     picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
     past_end = picked >= probs.shape[1]  # u * total rounded up to total: take the last token with p > 0
-    if probs.device.type == "cpu" and not bool(past_end.any()):  # on CUDA reading it would wait
+    # Reading the flag waits for the device; a step launched ahead (wait_free) computes the fallback.
+    if (not wait_free or probs.device.type == "cpu") and not bool(past_end.any()):
         return picked
     last_positive = probs.shape[1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
     return torch.where(past_end, last_positive, picked)
@@ -118,9 +119,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]
 
 
 @torch.inference_mode()
-def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
-    """sample() up to the tokens, without waiting for the device: the host reads nothing back.
-    Each sampled sequence's uniform is drawn from its stream now, in token order."""
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], wait_free: bool = False) -> Sampled:
+    """sample() up to the tokens, still on the device. wait_free: the host reads nothing back, so a
+    step launched ahead of the previous one's tokens never waits (async scheduling). Each sampled
+    sequence's uniform is drawn from its stream now, in token order."""
     raw_logprobs = None
     params = [s.params for s in seqs]
     want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -152,7 +154,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         rows = rows / (temps[0] if same else _to(temps, logits.device)[:, None])  # the same fp32 division
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in sp):
             rows = _filter(rows, [p.top_k for p in sp], [p.top_p for p in sp], [p.min_p for p in sp])
-        drawn = _draw(rows.softmax(dim=-1), [seqs[i].rng.random() for i in sampled])
+        drawn = _draw(rows.softmax(dim=-1), [seqs[i].rng.random() for i in sampled], wait_free)
         tokens = drawn if index is None else tokens.index_copy_(0, index, drawn)
 
     return Sampled(tokens, raw_logprobs, want_logprobs, [params[i].logprobs for i in want_logprobs])

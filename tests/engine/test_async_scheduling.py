@@ -64,7 +64,8 @@ def test_async_scheduling_gives_the_synchronous_outputs(engine_kw):
                          for i in range(4)}
         results.append(_collect(engine, requests))
         engines.append(engine)
-        assert not engine.requests and engine.overlap is None if not overlapped else engine.overlap.in_flight is None
+        assert not engine.requests
+        assert engine.overlap is None if not overlapped else engine.overlap.in_flight is None
         if not engine.args.enable_prefix_caching:
             assert engine.pool.num_free == engine.pool.num_blocks
     _same(*results)

@@ -138,7 +138,7 @@ def test_a_head_over_the_byte_limit_gets_431_and_one_under_it_is_served(gw):
     under = _raw(gw, b"POST /tokenize HTTP/1.1\r\nhost: x\r\nx-api-key: k-big\r\ncontent-type: application/json\r\n"
                  b"x-pad: " + b"a" * 32_000 + b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
     assert under.startswith(b"HTTP/1.1 200"), under[:300]
-    assert b'"count":' in under or b'"count": ' in under
+    assert b'"count":' in under
 
 
 def test_too_many_headers_get_431(gw):

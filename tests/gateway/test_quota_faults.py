@@ -76,6 +76,7 @@ def _stream_then_freeze_engine(gw: GatewayProcess, engine: int, db: redis.Redis,
         client.close()
     raise AssertionError("every stream finished before the engine could be frozen")
 
+
 def test_redis_frozen_during_admissions_takes_nothing_when_it_resumes(redis_server, own_tmp):
     tenants = write_tenants(own_tmp / "stall.yaml", [
         {"id": "stall", "api_keys_sha256": [hash_key("k-stall")],

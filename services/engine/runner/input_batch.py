@@ -131,7 +131,6 @@ class InputBatch:
         # for step N-1 before it builds N+1, so the buffer N+1 reuses is free.
         self._stagings = [Staging(nbytes, device), Staging(nbytes, device)]
         self._turn = 0
-        self.staging = self._stagings[0]
 
     def build(self, seqs: list[Sequence], num_new: list[int], pad_decode_to: int | None = None,
               all_logits: frozenset[int] = frozenset(), prompt_rows: frozenset[int] = frozenset(),
@@ -142,8 +141,6 @@ class InputBatch:
         token_src: index in seqs -> index in the previous step's sampled tokens, for decodes whose
         input token the host does not know yet (see BuiltStep.token_src)."""
         bs = self.bs
-        self.staging = self._stagings[self._turn]
-        self._turn ^= 1
         # Decode rows: single-token decodes, and the short extend chunks of speculative verification
         # (all_logits), one row per token: the row at position p attends to the cache up to p, which
         # the step has written by then. So verification runs the batched decode kernel, not a
@@ -180,7 +177,8 @@ class InputBatch:
         num_pre_tokens = int(pre_counts.sum())
         total = nd + pad + num_pre_tokens
 
-        st = self.staging
+        st = self._stagings[self._turn]
+        self._turn ^= 1
         st.reset()
         tok, tok_off = st.take(3 * total, np.int64)
         ids, positions, slots = tok[:total], tok[total : 2 * total], tok[2 * total :]
