@@ -236,6 +236,13 @@ def bench_prefill(b: Bench, ops, ref, shapes):
             got,
             flops=flops,
         )
+        fresh = getattr(ops, "fresh_prefill_attention", None)  # FlashAttention varlen, chunks without a prefix
+        if prefix == 0 and fresh is not None:
+            k_new, v_new = (t.transpose(1, 2).reshape(num_seqs * chunk, kv_heads, head_dim) for t in (k, v))
+            flash = partial(fresh, q, k_new, v_new, qsl, chunk, scale)
+            if flash() is not None:
+                b.add("prefill_attention_flash", f"seqs={num_seqs} chunk={chunk} H={heads}/{kv_heads} D={head_dim}",
+                      flash, sdpa, "sdpa(contig)", want, flash(), flops=flops)
         del k, v, sdpa
 
 

@@ -16,6 +16,7 @@ TRITON_INTERPRET=1 in the environment before the kernels are first imported (slo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -70,6 +71,9 @@ class KernelOps:
     # Added after the first release: a default, so KernelOps built by keyword elsewhere still work.
     gelu_tanh_and_mul: Callable = reference.gelu_tanh_and_mul
     fused_moe: Callable = reference.fused_moe  # mixture-of-experts MLP (kvrelay.kernels.moe_reference)
+    # Prefill attention of chunks without a cached prefix over their own contiguous K/V, or None
+    # where it cannot serve the inputs (kvrelay.kernels.flash_prefill); None: the paged kernel only.
+    fresh_prefill_attention: Callable | None = None
 
 
 def _from_module(backend: str, module: types.ModuleType) -> KernelOps:
@@ -118,4 +122,9 @@ def _triton_ops() -> KernelOps:
         from kvrelay.kernels import triton_ops
     except ImportError as exc:
         raise RuntimeError(f"kernel backend 'triton' needs the triton package: {exc}") from exc
-    return _from_module("triton", triton_ops)
+    from kvrelay.kernels import flash_prefill
+
+    ops = _from_module("triton", triton_ops)
+    if flash_prefill.available():
+        ops = dataclasses.replace(ops, fresh_prefill_attention=flash_prefill.fresh_prefill_attention)
+    return ops

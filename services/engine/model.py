@@ -28,6 +28,9 @@ class StepBatch:
     prefill_query_start_loc: torch.Tensor  # [P + 1] int32, relative to the first prefill token
     prefill_seq_lens: torch.Tensor  # [P] int32
     logits_indices: torch.Tensor  # [S] rows of T whose next-token logits are wanted
+    # When every prefill chunk starts at position 0: its longest chunk (the chunks may attend over
+    # their own K/V alone, KernelOps.fresh_prefill_attention); else 0.
+    prefill_fresh_max_len: int = 0
 
 
 class DecoderModel:
@@ -145,8 +148,14 @@ class DecoderModel:
                     )
                 )
             if q.shape[0] > nd:
-                parts.append(
-                    ops.paged_prefill_attention(
+                out = None
+                if batch.prefill_fresh_max_len and ops.fresh_prefill_attention is not None:
+                    out = ops.fresh_prefill_attention(
+                        q[nd:], k[nd:], v[nd:], batch.prefill_query_start_loc, batch.prefill_fresh_max_len,
+                        self.scale, **attn_kw,
+                    )
+                if out is None:
+                    out = ops.paged_prefill_attention(
                         q[nd:],
                         k_cache,
                         v_cache,
@@ -156,7 +165,7 @@ class DecoderModel:
                         self.scale,
                         **attn_kw,
                     )
-                )
+                parts.append(out)
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             hidden = self._linear(attn.reshape(-1, cfg.q_size), lw.o_proj)
             if cfg.sandwich_norms:

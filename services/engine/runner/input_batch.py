@@ -282,6 +282,7 @@ class InputBatch:
             prefill_query_start_loc=v(pqsl_off, (len(pre) + 1,), torch.int32),
             prefill_seq_lens=v(plen_off, (len(pre),), torch.int32),
             logits_indices=v(lg_off, (num_logits,), torch.int64),
+            prefill_fresh_max_len=int(pre_counts.max()) if pre and not pre_starts.any() else 0,
         )
         src_dev = None if src_off is None else v(src_off, (nd,), torch.int64)
         return BuiltStep(batch, sample_idx, nd, rows_per_sample, prompt_spans, src_dev)
