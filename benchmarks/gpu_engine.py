@@ -106,17 +106,42 @@ def greedy_tokens(engine, prompts, n: int) -> list[list[int]]:
     return [out[f"p{i}"] for i in range(len(prompts))]
 
 
-def generate_all(engine, reqs, tag: str) -> tuple[int, float]:
-    """Run every (prompt ids, output length) request, greedy with EOS ignored: (tokens, seconds)."""
+def generate_all(engine, reqs, tag: str, split: dict | None = None) -> tuple[int, float]:
+    """Run every (prompt ids, output length) request, greedy with EOS ignored: (tokens, seconds).
+    split, when given, gets the steps and seconds of the engine.step() calls that scheduled prompt
+    tokens ("mixed": prefill, eager) and of those that scheduled decodes only ("decode")."""
     from kvrelay.engine.sampling_params import SamplingParams
 
+    schedule = engine.scheduler.schedule
+    kind = ["decode"]
+
+    def classify():
+        step = schedule()
+        kind[0] = "mixed" if any(n > 1 or s.num_computed < s.prompt_len for s, n in zip(step.seqs, step.num_new)) \
+            else "decode"
+        return step
+
+    if split is not None:
+        engine.scheduler.schedule = classify
     start = time.perf_counter()
     for i, (ids, n) in enumerate(reqs):
         engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), f"{tag}{i}")
     generated = 0
     while engine.has_work():
+        t0 = time.perf_counter()
         generated += sum(len(o.new_token_ids) for o in engine.step())
-    return generated, time.perf_counter() - start
+        if split is not None:
+            steps, secs = split.get(kind[0], (0, 0.0))
+            split[kind[0]] = (steps + 1, secs + time.perf_counter() - t0)
+    seconds = time.perf_counter() - start
+    if split is not None:
+        del engine.scheduler.schedule  # the bound method again
+    return generated, seconds
+
+
+def split_text(split: dict) -> str:
+    return ", ".join(f"{k} steps {n} in {s:.2f} s ({1e3 * s / n:.2f} ms each)" for k, (n, s) in sorted(split.items())
+                     if n)
 
 
 def set_async_scheduling(engine, on: bool) -> None:
@@ -247,12 +272,13 @@ def section_throughput(rep: Report, engine, model_dir: Path, reqs, hf_batch: int
         runner.graphs = captured if mode.startswith("graphs") else None
         set_async_scheduling(engine, mode.endswith("_async"))
         engine.scheduler.config.max_num_batched_tokens = tokens
-        generated, seconds = generate_all(engine, reqs, "t")
+        split: dict = {}
+        generated, seconds = generate_all(engine, reqs, "t", split)
         key = mode if tokens == 2048 else f"{mode}_{tokens}"
         rates[key] = generated / seconds
-        rep.add(f"throughput_{key}", {"tokens": generated, "seconds": seconds, "tok_s": rates[key]},
+        rep.add(f"throughput_{key}", {"tokens": generated, "seconds": seconds, "tok_s": rates[key], "steps": split},
                 f"throughput kvrelay {mode}, {tokens}-token step budget: {generated} tokens in {seconds:.2f} s = "
-                f"{rates[key]:,.0f} tok/s")
+                f"{rates[key]:,.0f} tok/s ({split_text(split)})")
     runner.graphs = captured
     set_async_scheduling(engine, False)
     engine.scheduler.config.max_num_batched_tokens = budget
