@@ -111,6 +111,9 @@ class Leader:
                                  f"port + 1): {e}") from e
         self.node_conns: dict[int, Connection] = {}  # follower node -> its supervisor's connection
         self.rank_conns: dict[int, Connection] = {}  # remote rank -> its connection (the pipe's stand-in)
+        # close() runs from the engine's thread and from the executor's watcher when a rank dies.
+        self._close_lock = threading.Lock()
+        self._closed = False
 
     def accept(self, spec: WorkerSpec, timeout: float) -> None:
         """Waits until every follower node's supervisor and ranks have connected; sends each supervisor
@@ -173,9 +176,14 @@ class Leader:
         return f"lost: node {node}'s parallel-worker (ranks {ranks.start}..{ranks.stop - 1}) disconnected", ranks.start
 
     def close(self) -> None:
-        self.listener.close()
-        for conn in (*self.node_conns.values(), *self.rank_conns.values()):
-            conn.close()
+        """Closes the listener and every connection, once (safe from two threads at a time)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.listener.close()
+            for conn in (*self.node_conns.values(), *self.rank_conns.values()):
+                conn.close()
 
 
 def _connect(address: tuple[str, int], token: bytes, deadline: float) -> Connection:
