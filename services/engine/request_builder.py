@@ -16,6 +16,7 @@ from kvrelay.engine.block_pool import cache_root
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.errors import InvalidRequestError, PromptTooLongError
 from kvrelay.engine.outputs import RequestMetrics
+from kvrelay.engine.sampler import to_device
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import Sequence
 from kvrelay.engine.structured.mask import GrammarState
@@ -77,14 +78,22 @@ class RequestBuilderMixin:
             )
         now = time.monotonic()
         bias = None
-        if params.logit_bias:  # built once here, not on every sampling step
-            bias = (torch.tensor(list(params.logit_bias), dtype=torch.int64, device=self.device),
-                    torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device))
+        # Built once here, not on every sampling step; copied without waiting for a step in flight.
+        if params.logit_bias:
+            bias = (to_device(list(params.logit_bias), self.device, torch.int64),
+                    to_device(list(params.logit_bias.values()), self.device, torch.float32))
         if params.prompt_logprobs is not None:  # every position must be computed: no prefix-cache hits
             cache_salt = f"{cache_salt or ''}\x00prompt-logprobs:{secrets.token_hex(8)}"
         root = cache_root(cache_salt)
         # A cache hit when the caller compiled off this thread first (AsyncEngine does).
         grammar = self.grammars.get(params.structured) if params.structured is not None else None
+        # ignore_eos drops EOS only; explicit stop_token_ids still apply. A grammar's end is EOS (the
+        # only token its mask then allows): constrained output always stops there.
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos and grammar is None else self.eos_ids)
+        ban_ids = None
+        if params.min_tokens > 0 and stop_ids:
+            ban_ids = to_device(sorted(stop_ids), self.device, torch.int64)
         seqs = []
         for index in range(params.n):
             seed = params.seed + index if params.seed is not None else secrets.randbits(62)
@@ -103,10 +112,8 @@ class RequestBuilderMixin:
                 wait_for=seqs[0] if seqs else None,
                 hold_blocks=hold_blocks,
                 cache_root=root,
-                # ignore_eos drops EOS only; explicit stop_token_ids still apply. A grammar's end is
-                # EOS (the only token its mask then allows): constrained output always stops there.
-                stop_ids=frozenset(params.stop_token_ids)
-                | (frozenset() if params.ignore_eos and grammar is None else self.eos_ids),
+                stop_ids=stop_ids,
+                ban_ids=ban_ids,
                 logit_bias=bias,
                 adjusts_logits=params.repetition_penalty != 1.0 or bool(params.presence_penalty)
                 or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0

@@ -32,13 +32,13 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> None:
     if seq.logit_bias is not None:
         ids, values = seq.logit_bias
         row[ids] += values.to(row.dtype)
-    if seq.num_generated < p.min_tokens and seq.stop_ids:
-        row[list(seq.stop_ids)] = float("-inf")
+    if seq.num_generated < p.min_tokens and seq.ban_ids is not None:
+        row.index_fill_(0, seq.ban_ids, float("-inf"))
     if seq.processors:
         apply_processors(seq.processors, seq.output_ids, row)
 
 
-def _to(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A small host list on the device without waiting for the device: a blocking host-to-device
     copy would wait for everything queued on the stream (an overlapped step's forward). Pinned, so
     the driver need not stage it; torch's pinned-memory cache keeps it until the copy has run."""
@@ -53,17 +53,17 @@ def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: l
     vocab, dev = logits.shape[1], logits.device
     if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        ks = _to([k if 0 < k < vocab else vocab for k in top_k], dev)
+        ks = to_device([k if 0 < k < vocab else vocab for k in top_k], dev)
         remove = torch.arange(vocab, device=dev)[None, :] >= ks[:, None]
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
         mass_before = probs.cumsum(dim=-1) - probs
-        remove |= mass_before >= _to(top_p, dev)[:, None]
+        remove |= mass_before >= to_device(top_p, dev)[:, None]
         remove[:, 0] = False
         logits = logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
     if any(m > 0 for m in min_p):
         probs = logits.softmax(dim=-1)
-        threshold = _to(min_p, dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+        threshold = to_device(min_p, dev)[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
@@ -76,7 +76,7 @@ def _draw(probs: torch.Tensor, uniforms: list[float], wait_free: bool = False) -
     cumsum accumulates fp32 in fp64, so the CDF carries one fp32 rounding per entry. Tokens of
     probability 0 (filtered) never win: the CDF does not rise at them."""
     cdf = probs.cumsum(dim=-1)
-    targets = _to(uniforms, cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]
+    targets = to_device(uniforms, cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]
     picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
     past_end = picked >= probs.shape[1]  # u * total rounded up to total: take the last token with p > 0
     # Reading the flag waits for the device; a step launched ahead (wait_free) computes the fallback.
@@ -127,7 +127,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], wait_free: bool
     params = [s.params for s in seqs]
     want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want_logprobs:
-        rows = logits if len(want_logprobs) == len(seqs) else logits.index_select(0, _to(want_logprobs, logits.device))
+        rows = logits if len(want_logprobs) == len(seqs) else logits.index_select(0, to_device(want_logprobs, logits.device))
         raw_logprobs = torch.log_softmax(rows, dim=-1)
 
     for i, seq in enumerate(seqs):
@@ -146,12 +146,12 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], wait_free: bool
     # max().indices: argmax (first of ties too), 3x faster on CPU rows of 32k
     tokens = None if everyone else logits.max(dim=-1).indices
     if sampled:
-        index = None if everyone else _to(sampled, logits.device)
+        index = None if everyone else to_device(sampled, logits.device)
         rows = logits if index is None else logits.index_select(0, index)
         sp = params if everyone else [params[i] for i in sampled]
         temps = [p.temperature for p in sp]
         same = temps.count(temps[0]) == len(temps)
-        rows = rows / (temps[0] if same else _to(temps, logits.device)[:, None])  # the same fp32 division
+        rows = rows / (temps[0] if same else to_device(temps, logits.device)[:, None])  # the same fp32 division
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in sp):
             rows = _filter(rows, [p.top_k for p in sp], [p.top_p for p in sp], [p.min_p for p in sp])
         drawn = _draw(rows.softmax(dim=-1), [seqs[i].rng.random() for i in sampled], wait_free)

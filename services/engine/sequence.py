@@ -55,6 +55,8 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     # params.logit_bias as (token ids, biases) tensors on the engine's device; None when unset.
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    # stop_ids on the engine's device, for the min_tokens ban; None without min_tokens.
+    ban_ids: torch.Tensor | None = None
     # Penalties, logit bias or a min_tokens ban apply: the sampler edits this row before sampling.
     adjusts_logits: bool = False
     # Instances of the request's plugin logits processors, applied to this sequence's rows.

@@ -201,3 +201,15 @@ def test_draws_follow_the_distribution_and_skip_filtered_tokens():
     assert edges.tolist() == [1, 3, 4]
     unnormalised = torch.tensor([[0.0, 2.0, 0.0, 0.0]])  # rounding can leave u * total at total
     assert _draw(unnormalised, [1.0]).tolist() == [1]
+
+
+def test_min_tokens_bans_stop_ids_until_reached():
+    engine = make_engine(BUNDLED_MODEL)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = run_engine(engine, {"x": ("Once upon a time", greedy)})["x"]
+    stop = plain[0]  # the first greedy token: without the ban the request stops at once
+    early = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+    held = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop], min_tokens=4)
+    out = run_engine(engine, {"early": ("Once upon a time", early), "held": ("Once upon a time", held)})
+    assert out["early"] == [stop]
+    assert len(out["held"]) >= 4 and stop not in out["held"][:4]

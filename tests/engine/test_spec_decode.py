@@ -248,3 +248,14 @@ def test_seeded_tokens_do_not_depend_on_batch_level_decisions():
     busy = make_engine(BUNDLED_MODEL, **(SPEC | {"speculative_disable_batch_size": 2}))
     others = {f"o{i}": (p, greedy(25)) for i, p in enumerate(PROMPTS)}
     assert run_engine(busy, {**others, "s": (REPEATING[0], params)})["s"] == want["s"]
+
+
+def test_min_tokens_ban_holds_inside_accepted_runs():
+    free = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    ids = run_engine(make_engine(BUNDLED_MODEL), {"r": (REPEATING[0], free)})["r"]
+    stop = max(set(ids[1:]), key=ids.count)  # a token the repeating text keeps choosing
+    held = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop], min_tokens=20)
+    plain = run_engine(make_engine(BUNDLED_MODEL), {"r": (REPEATING[0], held)})["r"]
+    spec = make_engine(BUNDLED_MODEL, **SPEC)
+    assert run_engine(spec, {"r": (REPEATING[0], held)})["r"] == plain
+    assert stop not in plain[:20] and spec.speculator.stats.num_accepted_tokens > 0

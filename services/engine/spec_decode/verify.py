@@ -50,8 +50,8 @@ def _adjust(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
         ids, values = seq.logit_bias
         rows[:, ids] += values.to(rows.dtype)
     banned = seq.params.min_tokens - seq.num_generated  # rows whose token may not stop the sequence
-    if banned > 0 and seq.stop_ids:
-        rows[:banned, list(seq.stop_ids)] = float("-inf")
+    if banned > 0 and seq.ban_ids is not None:
+        rows[:banned].index_fill_(1, seq.ban_ids, float("-inf"))
     return rows
 
 
