@@ -36,8 +36,9 @@ from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
 from kvrelay.engine.sampler import Sampled, sample_on_device
 from kvrelay.engine.scheduler import ScheduledStep
-from kvrelay.engine.sequence import Sequence
+from kvrelay.engine.sequence import Sequence, Status
 
+FINISHED = Status.FINISHED
 PENDING = -1  # where a token sampled by a step still on the device will go in token_ids
 
 
@@ -91,7 +92,8 @@ class AsyncScheduling:
         if prev.sampled is not None and prev.sampled.want_logprobs:
             return False
         for seq, n in zip(step.seqs, step.num_new):
-            if reads_history(seq) or seq.prompt_lps is not None:
+            # adjusts_logits or a grammar first: most sequences have neither, and this runs per step.
+            if (seq.adjusts_logits or seq.grammar is not None) and reads_history(seq) or seq.prompt_lps is not None:
                 return False
             # A PENDING token is only ever the input of a decode row (not of a recomputed prompt).
             if seq.token_ids[-1] == PENDING and (n != 1 or seq.num_computed != seq.num_tokens - 1):
@@ -118,9 +120,10 @@ class AsyncScheduling:
         sampled = sample_on_device(logits, seqs, wait_free=True)
         slots = []
         for seq in seqs:
-            slots.append(seq.num_tokens)
-            if seq.num_generated + 1 < seq.max_tokens:  # else it ends by length: nothing to schedule
-                seq.token_ids.append(PENDING)
+            ids = seq.token_ids
+            slots.append(len(ids))
+            if len(ids) - seq.prompt_len + 1 < seq.max_tokens:  # else it ends by length: nothing to schedule
+                ids.append(PENDING)
         host, ready = sampled.tokens, None
         if host.device.type == "cuda":
             host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
@@ -132,34 +135,39 @@ class AsyncScheduling:
     def _collect(self, f: _InFlight) -> list[RequestOutput]:
         """Step f's tokens into token_ids, its filled blocks into the prefix cache, then outputs."""
         eng = self.engine
+        # Per sequence per step: status and len(token_ids) are read directly, not through properties.
         tokens: list[int] = []
         if f.sampled is not None:
             if f.ready is not None:
                 f.ready.synchronize()  # this step's copy only; the next step keeps running
             tokens = f.host.tolist()
             for seq, slot, token in zip(f.seqs, f.slots, tokens):
-                if not seq.finished:  # else aborted since (its PENDING entries were dropped)
-                    if slot < seq.num_tokens:
-                        seq.token_ids[slot] = token
+                if seq.status is not FINISHED:  # else aborted since (its PENDING entries were dropped)
+                    ids = seq.token_ids
+                    if slot < len(ids):
+                        ids[slot] = token
                     else:
-                        seq.token_ids.append(token)
+                        ids.append(token)
         bs = eng.args.block_size
+        register = eng.scheduler.register_full_blocks
         for seq in f.computed:  # every input token of the step is on the host now
-            if not seq.finished and seq.num_computed // bs > seq.num_registered:
-                eng.scheduler.register_full_blocks(seq)
+            if seq.num_computed // bs > seq.num_registered and seq.status is not FINISHED:
+                register(seq)
         if f.sampled is None:
             return []
         outputs = []
         now = time.monotonic()
+        settle = eng._settle_token
         for seq, slot, token, lp in zip(f.seqs, f.slots, tokens, f.sampled.logprobs(tokens)):
-            if seq.finished:
+            if seq.status is FINISHED:
                 continue
-            ahead = seq.num_tokens > slot + 1  # the PENDING entry of the step launched since
+            ids = seq.token_ids
+            ahead = len(ids) > slot + 1  # the PENDING entry of the step launched since
             if ahead:
-                seq.token_ids.pop()
-            outputs.append(eng._settle_token(seq, token, lp, now))
-            if ahead and not seq.finished:
-                seq.token_ids.append(PENDING)
+                ids.pop()
+            outputs.append(settle(seq, token, lp, now))
+            if ahead and seq.status is not FINISHED:
+                ids.append(PENDING)
         return outputs
 
 

@@ -38,12 +38,18 @@ class IncrementalDetokenizer:
         ids = self.ids
         # Nothing pending, and the window shows text that does not end in a partial character.
         if self.read_offset == len(ids) and self.prefix_text and self.prefix_text[-1] != "\ufffd":
-            piece = self._pieces.lookup(token_id)
+            pieces = self._pieces
+            piece = pieces.append.get(token_id)  # known pieces inline: this runs per token
+            if piece is None:
+                piece = pieces.lookup(token_id)
             if piece is not None:
                 ids.append(token_id)
                 self.prefix_offset = self.read_offset
                 self.read_offset += 1
-                self.prefix_text = self._pieces.alone[token_id]
+                self.prefix_text = pieces.alone[token_id]
+                if not self.stop:
+                    self.text += piece
+                    return None
                 return self._append(piece)
         ids.append(token_id)
         new_text = self._decode(self.ids[self.prefix_offset :])
@@ -73,6 +79,10 @@ class IncrementalDetokenizer:
 
     def take(self, final: bool = False) -> str:
         """The text not handed out yet, minus a tail that may still become a stop string."""
+        if not final and not self.stop:
+            out = self.text[self.emitted :]
+            self.emitted = len(self.text)
+            return out
         if final:
             # Flush bytes still waiting to complete a character.
             rest = self._decode(self.ids[self.prefix_offset :])

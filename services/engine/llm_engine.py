@@ -488,7 +488,7 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.prompt_len,
-            num_generated_tokens=seq.num_generated,
+            num_generated_tokens=len(seq.token_ids) - seq.prompt_len,
             num_cached_tokens=seq.num_cached_tokens,
             metrics=seq.metrics,
             prompt_logprobs=prompt_lps,

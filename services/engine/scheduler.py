@@ -145,14 +145,18 @@ class Scheduler:
         scheduled: dict[Sequence, int] = {}
         preempted = False
 
+        windowed = self.config.sliding_window is not None
+        bs = self.bs
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            self.drop_out_of_window(seq)
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            if windowed:
+                self.drop_out_of_window(seq)
+            # len(token_ids), not the property: this loop runs per sequence per step.
+            num_new = min(len(seq.token_ids) - seq.num_computed, budget)
             if num_new <= 0:
                 continue
-            if seq.num_computed + num_new <= len(seq.block_table) * self.bs:  # most decodes: room left
+            if seq.num_computed + num_new <= len(seq.block_table) * bs:  # most decodes: room left
                 scheduled[seq] = num_new
                 budget -= num_new
                 continue

@@ -51,7 +51,7 @@ def test_stop_string_inside_multibyte_text(tokenizer):
 def _stream(tokenizer, prompt, ids, stop=(), slow=False):
     detok = IncrementalDetokenizer(tokenizer, prompt, stop=list(stop))
     if slow:  # the full-decode path for every token
-        detok._pieces = type("NoPieces", (), {"lookup": staticmethod(lambda t: None)})()
+        detok._pieces = type("NoPieces", (), {"append": {}, "lookup": staticmethod(lambda t: None)})()
     deltas, hit = [], None
     for i in ids:
         hit = detok.add_token(i)

@@ -206,7 +206,7 @@ class InputBatch:
         sample_idx, logits_rows, rows_per_sample = [], [], []
         if counts_dec is None:
             for r, i in enumerate(dec):
-                if seqs[i].num_computed + 1 == seqs[i].num_tokens:
+                if seqs[i].num_computed + 1 == len(seqs[i].token_ids):
                     sample_idx.append(i)
                     logits_rows.append(r)
             rows_per_sample = [1] * len(sample_idx)
