@@ -162,8 +162,10 @@ def section_parity(rep: Report, device: str, smoke: bool) -> None:
     n = 48
     want = greedy_tokens(engine_for(BUNDLED_MODEL, "cpu", kernel_backend="torch"), PROMPTS, n)
     modes = {"eager": {"enforce_eager": True}, "eager_async": {"enforce_eager": True, "async_scheduling": True}}
-    if not smoke:
-        modes = {"graphs": {}, "graphs_async": {"async_scheduling": True}} | modes
+    if not smoke:  # piecewise last: a failure there loses no other row
+        modes = {"graphs": {}, "graphs_async": {"async_scheduling": True}} | modes | {
+            "graphs_piecewise_async": {"async_scheduling": True, "piecewise_cuda_graphs": True,
+                                       "max_num_batched_tokens": 24}}  # chunked: prefill steps with decodes
     for name, kw in modes.items():
         engine = engine_for(BUNDLED_MODEL, device, kv_cache_memory=64 * 2**20, max_num_seqs=16, **kw)
         got = greedy_tokens(engine, PROMPTS, n)
@@ -265,10 +267,15 @@ def section_throughput(rep: Report, engine, model_dir: Path, reqs, hf_batch: int
     budget = engine.scheduler.config.max_num_batched_tokens  # the engine is built for the largest
     rates = {}
     modes = [("graphs", 2048), ("graphs_async", 2048), ("eager", 2048), ("graphs", budget),
-             ("graphs_async", budget)]
+             ("graphs_async", budget), ("graphs_piecewise_async", 2048), ("graphs_piecewise_async", budget)]
     if captured is None:
-        modes = [("eager", 2048), ("eager_async", 2048)]
+        modes = [("eager", 2048), ("eager_async", 2048), ("eager_piecewise_async", 2048)]
+    piecewise = None
     for mode, tokens in modes:
+        if "piecewise" in mode and piecewise is None:
+            capture_piecewise(rep, runner, budget, cuda)
+            piecewise = runner.piecewise
+        runner.piecewise = piecewise if "piecewise" in mode else None
         runner.graphs = captured if mode.startswith("graphs") else None
         set_async_scheduling(engine, mode.endswith("_async"))
         engine.scheduler.config.max_num_batched_tokens = tokens
@@ -280,6 +287,7 @@ def section_throughput(rep: Report, engine, model_dir: Path, reqs, hf_batch: int
                 f"throughput kvrelay {mode}, {tokens}-token step budget: {generated} tokens in {seconds:.2f} s = "
                 f"{rates[key]:,.0f} tok/s ({split_text(split)})")
     runner.graphs = captured
+    runner.piecewise = None
     set_async_scheduling(engine, False)
     engine.scheduler.config.max_num_batched_tokens = budget
     if not hf_batch:
@@ -310,6 +318,21 @@ def section_throughput(rep: Report, engine, model_dir: Path, reqs, hf_batch: int
             f"throughput HF generate, one padded batch of {len(batch)}: {useful} useful tokens in {seconds:.2f} s "
             f"= {hf_rate:,.0f} tok/s; kvrelay best {best:,.0f} tok/s = {best / hf_rate:.1f}x")
     del hf
+
+
+def capture_piecewise(rep: Report, runner, max_tokens: int, cuda: bool) -> None:
+    """Piecewise graphs for the steps with prefill, captured after the other throughput rows (a
+    failure loses no other row). On CPU the same segments run uncaptured (the rehearsal)."""
+    from kvrelay.engine.runner.piecewise_graphs import PiecewiseGraphs, token_buckets
+
+    if cuda:
+        report = runner.capture_piecewise_graphs(max_tokens)
+    else:
+        runner.piecewise = PiecewiseGraphs(runner.model, runner.kv_cache, token_buckets(max_tokens)[-1])
+        report = runner.piecewise.capture(token_buckets(max_tokens), use_graphs=False)
+    rep.add("piecewise_capture", vars(report),
+            f"piecewise graphs: {report.num_graphs} captured in {report.seconds:.1f} s, "
+            f"{report.memory_bytes / 2**20:.0f} MiB")
 
 
 def section_fp8_engine(rep: Report, bf16_engine, model_dir: Path, reqs, device: str) -> None:

@@ -21,11 +21,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 case "${1:-1}" in
 1)
     # The tests that skip without CUDA (graphs, async scheduling, memory sizing, FlashAttention prefill,
-    # the CUDA IPC plane end to end).
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_model_runner.py \
+    # piecewise graphs, the CUDA IPC plane end to end).
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_model_runner.py \
         tests/engine/test_async_scheduling.py::test_async_scheduling_on_cuda_graphs_gives_the_synchronous_outputs \
-        tests/engine/test_flash_prefill.py tests/workers/test_pd_cuda_ipc.py 2>&1 | tee "$OUT/pytest.log"
-    timeout 390 python3 benchmarks/gpu_engine.py --no-hf --only parity,step,throughput,fp8,kernels 2>&1 \
+        tests/engine/test_flash_prefill.py tests/engine/test_piecewise_graphs.py tests/workers/test_pd_cuda_ipc.py \
+        2>&1 | tee "$OUT/pytest.log"
+    timeout 400 python3 benchmarks/gpu_engine.py --no-hf --only parity,step,throughput,fp8,kernels 2>&1 \
         | tee "$OUT/engine.log"
     ;;
 2)

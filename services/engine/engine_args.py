@@ -72,6 +72,9 @@ class EngineArgs:
     # Launch step N+1 before reading step N's tokens (kvrelay.engine.async_scheduling): hides the
     # host's work per step behind the GPU's. Off by default until the device benchmark shows it.
     async_scheduling: bool = False
+    # CUDA: steps with prefill replay graphs of everything between attentions, per token bucket
+    # (kvrelay.engine.runner.piecewise_graphs). Off by default until the device benchmark shows it.
+    piecewise_cuda_graphs: bool = False
     speculative_method: str | None = None  # None | "ngram" | "draft"
     speculative_model: str | None = None  # the draft model's folder (method "draft")
     num_speculative_tokens: int = 4  # K: proposed tokens per sequence and step
@@ -143,6 +146,12 @@ class EngineArgs:
             "--enforce-eager",
             action="store_true",
             help="CUDA: run every step eagerly (no decode CUDA graphs)",
+        )
+        parser.add_argument(
+            "--piecewise-cuda-graphs",
+            action="store_true",
+            help="CUDA: steps with prefill replay CUDA graphs of each layer's parts around attention (per "
+            "token bucket up to --max-num-batched-tokens) instead of running eagerly; one model process, no MoE",
         )
         parser.add_argument(
             "--async-scheduling",

@@ -28,6 +28,7 @@ from kvrelay.engine.request_builder import RequestBuilderMixin
 from kvrelay.engine.runner.cuda_graphs import bucket_sizes
 from kvrelay.engine.runner.memory import plan_kv_cache
 from kvrelay.engine.runner.model_runner import ModelRunner
+from kvrelay.engine.runner.piecewise_graphs import check_piecewise
 from kvrelay.engine.sampler import sample
 from kvrelay.engine.sampling_params import SamplingParams, defaults_from_generation_config
 from kvrelay.engine.scheduler import Scheduler, SchedulerConfig
@@ -144,6 +145,8 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
                                self.device, self.ops, self.max_model_len)
             sizing_bytes += kv_bytes_per_block(draft.config, self.dtype, bs)
         use_graphs = self.device.type == "cuda" and not args.enforce_eager and self.ops.backend == "triton"
+        if args.piecewise_cuda_graphs:
+            check_piecewise(self.device, args.enforce_eager, self.ops.backend, self.model)
         if args.num_kv_blocks:
             num_blocks = args.num_kv_blocks
         elif args.kv_cache_memory is not None:
@@ -155,7 +158,7 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             plan = plan_kv_cache(
                 self.model, cfg, self.dtype, self.device, args.gpu_memory_utilization, bs,
                 min(args.max_num_batched_tokens, self.max_model_len),
-                bucket_sizes(args.max_num_seqs)[-1] if use_graphs else 1,
+                bucket_sizes(args.max_num_seqs)[-1] if use_graphs else 1, args.piecewise_cuda_graphs,
             )
             log.info("%s", plan.describe())
             num_blocks = plan.kv_bytes // sizing_bytes
@@ -185,6 +188,8 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
                                   args.max_num_batched_tokens)
         if use_graphs:
             self.runner.capture_graphs()
+        if args.piecewise_cuda_graphs:
+            self.runner.capture_piecewise_graphs(min(args.max_num_batched_tokens, self.max_model_len))
         if hasattr(self.model, "reset_expert_load"):  # MoE: drop the planner's and graph warm-ups' counts
             self.model.reset_expert_load()
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)

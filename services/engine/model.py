@@ -115,67 +115,80 @@ class DecoderModel:
     def run_layers(self, batch: StepBatch, kv_cache: torch.Tensor, hidden: torch.Tensor,
                    residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """This model's layers (a pipeline stage's, under pipeline parallelism): (hidden, residual)
-        in, (hidden, residual) out; residual None before the first layer."""
-        cfg, ops = self.config, self.ops
-        eps = cfg.rms_norm_eps
-        nd = batch.num_decode
-        for layer_idx, lw in enumerate(self.w.layers):
-            if residual is None:
-                x, residual = ops.rms_norm(hidden, lw.input_norm, eps), hidden
-            else:
-                x, residual = ops.fused_add_rms_norm(hidden, residual, lw.input_norm, eps)
-            qkv = self._linear(x, lw.qkv)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q = ops.rms_norm(q, lw.q_norm, eps)
-                k = ops.rms_norm(k, lw.k_norm, eps)
-            attn_kw = self.attn_kwargs[layer_idx]
-            rope = self.local_cos_sin_cache if "window" in attn_kw else self.cos_sin_cache
-            q, k = ops.rotary_embedding(batch.positions, q, k, rope)
-            k_cache, v_cache = kv_cache[layer_idx, 0], kv_cache[layer_idx, 1]
-            ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        in, (hidden, residual) out; residual None before the first layer. Each layer is three parts,
+        so piecewise CUDA graphs (runner/piecewise_graphs.py) can capture the two that do not
+        depend on the step's sequences and run attention between them."""
+        for layer_idx in range(len(self.w.layers)):
+            q, k, v, residual = self.layer_qkv(layer_idx, hidden, residual, batch.positions, batch.slot_mapping,
+                                               kv_cache)
             if self.layer_hook is not None:
                 self.layer_hook(layer_idx, batch)
-            parts = []
-            if nd:
-                parts.append(
-                    ops.paged_decode_attention(
-                        q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, self.scale,
-                        **attn_kw,
-                    )
-                )
-            if q.shape[0] > nd:
-                out = None
-                if batch.prefill_fresh_max_len and ops.fresh_prefill_attention is not None:
-                    out = ops.fresh_prefill_attention(
-                        q[nd:], k[nd:], v[nd:], batch.prefill_query_start_loc, batch.prefill_fresh_max_len,
-                        self.scale, **attn_kw,
-                    )
-                if out is None:
-                    out = ops.paged_prefill_attention(
-                        q[nd:],
-                        k_cache,
-                        v_cache,
-                        batch.prefill_block_tables,
-                        batch.prefill_query_start_loc,
-                        batch.prefill_seq_lens,
-                        self.scale,
-                        **attn_kw,
-                    )
-                parts.append(out)
-            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-            hidden = self._linear(attn.reshape(-1, cfg.q_size), lw.o_proj)
-            if cfg.sandwich_norms:
-                hidden = ops.rms_norm(hidden, lw.post_norm, eps)
-                x, residual = ops.fused_add_rms_norm(hidden, residual, lw.pre_ffn_norm, eps)
-                hidden = ops.rms_norm(self.mlp(layer_idx, lw, x), lw.post_ffn_norm, eps)
-            else:
-                x, residual = ops.fused_add_rms_norm(hidden, residual, lw.post_norm, eps)
-                hidden = self.mlp(layer_idx, lw, x)
+            attn = self.layer_attention(layer_idx, q, k, v, batch, kv_cache)
+            hidden, residual = self.layer_output(layer_idx, attn, residual)
         return hidden, residual
+
+    def layer_qkv(self, layer_idx: int, hidden: torch.Tensor, residual: torch.Tensor | None,
+                  positions: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: torch.Tensor):
+        """Input norm, QKV projection, rotary embedding, and the new K/V written into the cache:
+        (q [T, H, D], k, v [T, Hkv, D], residual)."""
+        cfg, ops, lw = self.config, self.ops, self.w.layers[layer_idx]
+        eps = cfg.rms_norm_eps
+        if residual is None:
+            x, residual = ops.rms_norm(hidden, lw.input_norm, eps), hidden
+        else:
+            x, residual = ops.fused_add_rms_norm(hidden, residual, lw.input_norm, eps)
+        qkv = self._linear(x, lw.qkv)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = ops.rms_norm(q, lw.q_norm, eps)
+            k = ops.rms_norm(k, lw.k_norm, eps)
+        rope = self.local_cos_sin_cache if "window" in self.attn_kwargs[layer_idx] else self.cos_sin_cache
+        q, k = ops.rotary_embedding(positions, q, k, rope)
+        ops.write_kv(k, v, kv_cache[layer_idx, 0], kv_cache[layer_idx, 1], slot_mapping)
+        return q, k, v, residual
+
+    def layer_attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Attention of the step's rows (decodes, then prefill chunks) over the cache: [T, q_size]."""
+        ops, attn_kw, nd = self.ops, self.attn_kwargs[layer_idx], batch.num_decode
+        k_cache, v_cache = kv_cache[layer_idx, 0], kv_cache[layer_idx, 1]
+        parts = []
+        if nd:
+            parts.append(
+                ops.paged_decode_attention(
+                    q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, self.scale, **attn_kw,
+                )
+            )
+        if q.shape[0] > nd:
+            out = None
+            if batch.prefill_fresh_max_len and ops.fresh_prefill_attention is not None:
+                out = ops.fresh_prefill_attention(
+                    q[nd:], k[nd:], v[nd:], batch.prefill_query_start_loc, batch.prefill_fresh_max_len,
+                    self.scale, **attn_kw,
+                )
+            if out is None:
+                out = ops.paged_prefill_attention(
+                    q[nd:], k_cache, v_cache, batch.prefill_block_tables, batch.prefill_query_start_loc,
+                    batch.prefill_seq_lens, self.scale, **attn_kw,
+                )
+            parts.append(out)
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return attn.reshape(-1, self.config.q_size)
+
+    def layer_output(self, layer_idx: int, attn: torch.Tensor, residual: torch.Tensor):
+        """Output projection, norms and the feed-forward block: (hidden, residual)."""
+        cfg, ops, lw = self.config, self.ops, self.w.layers[layer_idx]
+        eps = cfg.rms_norm_eps
+        hidden = self._linear(attn, lw.o_proj)
+        if cfg.sandwich_norms:
+            hidden = ops.rms_norm(hidden, lw.post_norm, eps)
+            x, residual = ops.fused_add_rms_norm(hidden, residual, lw.pre_ffn_norm, eps)
+            return ops.rms_norm(self.mlp(layer_idx, lw, x), lw.post_ffn_norm, eps), residual
+        x, residual = ops.fused_add_rms_norm(hidden, residual, lw.post_norm, eps)
+        return self.mlp(layer_idx, lw, x), residual
 
     @torch.inference_mode()
     def compute_logits(self, batch: StepBatch, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ def _record_batches(engine) -> list:
 
 
 def test_fresh_prompts_mark_their_longest_chunk_and_prefixes_clear_it():
-    engine = make_engine(BUNDLED_MODEL, max_num_batched_tokens=2048)
+    engine = make_engine(BUNDLED_MODEL, device="cpu", max_num_batched_tokens=2048)
     seen = _record_batches(engine)
     ids = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
     run_engine(engine, {f"r{i}": (p, greedy(3)) for i, p in enumerate(PROMPTS[:3])})
@@ -57,7 +57,7 @@ def test_fresh_prompts_mark_their_longest_chunk_and_prefixes_clear_it():
 
 
 def test_a_chunk_after_the_first_has_a_prefix():
-    engine = make_engine(BUNDLED_MODEL, max_num_batched_tokens=16, enable_prefix_caching=False)
+    engine = make_engine(BUNDLED_MODEL, device="cpu", max_num_batched_tokens=16, enable_prefix_caching=False)
     seen = _record_batches(engine)
     long_prompt = " ".join(PROMPTS)
     run_engine(engine, {"long": (long_prompt, greedy(2))})
@@ -65,8 +65,8 @@ def test_a_chunk_after_the_first_has_a_prefix():
 
 
 def test_the_model_hands_the_fast_path_each_chunk_and_keeps_the_tokens():
-    plain = make_engine(BUNDLED_MODEL)
-    fast = make_engine(BUNDLED_MODEL)
+    plain = make_engine(BUNDLED_MODEL, device="cpu")
+    fast = make_engine(BUNDLED_MODEL, device="cpu")
     calls = []
 
     def counting(*args, **kw):
@@ -140,7 +140,16 @@ def test_flash_declines_what_it_cannot_serve():  # pragma: no cover - CUDA only
 @cuda
 def test_bf16_engine_takes_the_flash_path_on_cuda():  # pragma: no cover - CUDA only
     engine = make_engine(BUNDLED_MODEL, device="cuda", dtype="bfloat16", kv_cache_memory=64 * 2**20)
-    seen = _record_batches(engine)
+    served = []
+    flash = engine.model.ops.fresh_prefill_attention
+    assert flash is not None
+
+    def counting(*args, **kw):
+        out = flash(*args, **kw)
+        served.append(out is not None)
+        return out
+
+    engine.model.ops = dataclasses.replace(engine.model.ops, fresh_prefill_attention=counting)
     out = run_engine(engine, {f"r{i}": (p, greedy(8)) for i, p in enumerate(PROMPTS[:4])})
-    assert seen[0] > 0 and engine.model.ops.fresh_prefill_attention is not None
+    assert served and all(served)  # every layer of the prefill step, none declined
     assert all(len(ids) == 8 for ids in out.values())

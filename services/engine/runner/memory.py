@@ -3,7 +3,8 @@
 The KV cache gets what is left of `utilization x total device memory` after what is already in use
 (weights, the CUDA context, other processes), the peak activations of the largest prefill step
 (measured by running one), and the decode graphs' pool (measured as the peak of the largest
-decode bucket run eagerly, which is what its graph's pool holds).
+decode bucket run eagerly, which is what its graph's pool holds); with piecewise graphs, one more
+prefill step's activations and their fixed buffers.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from kvrelay.engine.model import StepBatch
+from kvrelay.engine.runner.piecewise_graphs import token_buckets
 
 GIB = 2**30
 
@@ -49,7 +51,9 @@ def _profile_cache(cfg, blocks: int, block_size: int, dtype, device) -> torch.Te
 
 
 def plan_kv_cache(model, cfg, dtype: torch.dtype, device: torch.device, utilization: float, block_size: int,
-                  prefill_tokens: int, decode_batch: int) -> MemoryPlan:
+                  prefill_tokens: int, decode_batch: int, piecewise: bool = False) -> MemoryPlan:
+    """piecewise: piecewise graphs will be captured, whose pool keeps one prefill step's activations
+    for good (the eager steps still need their own), plus their fixed buffers (see piecewise_graphs)."""
     if not 0 < utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
     i64 = {"dtype": torch.int64, "device": device}
@@ -82,6 +86,10 @@ def plan_kv_cache(model, cfg, dtype: torch.dtype, device: torch.device, utilizat
         logits_indices=torch.arange(decode_batch, **i64),
     )
     graph_reserve = _peak_bytes(model, decode, cache)
+    if piecewise:
+        row = 2 * model.w.embed.shape[1] + 2 * cfg.q_size + 2 * cfg.kv_size  # hidden, residual, q, attention, k, v
+        buckets = token_buckets(prefill_tokens)
+        graph_reserve += prefill_peak + buckets[-1] * (row * dtype.itemsize + 24)  # + ids, positions, slots
     del cache, prefill, decode
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 
 import torch
+from kvrelay.engine.model import StepBatch
 from kvrelay.engine.runner.cuda_graphs import CaptureReport, DecodeGraphs, bucket_sizes
 from kvrelay.engine.runner.input_batch import InputBatch
+from kvrelay.engine.runner.piecewise_graphs import PiecewiseGraphs, PiecewiseReport, token_buckets
 from kvrelay.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,7 @@ class ModelRunner:
         self.inputs = InputBatch(block_size, max_model_len, max_num_seqs, max_tokens, self.device)
         self.graphs: DecodeGraphs | None = None
         self.graph_steps = 0  # steps served by a graph replay (tests and stats read it)
+        self.piecewise: PiecewiseGraphs | None = None  # --piecewise-cuda-graphs: steps with prefill
         self.prompt_logits: list[tuple[int, int, torch.Tensor]] = []  # see execute()
 
     def capture_graphs(self, sizes: list[int] | None = None) -> CaptureReport:
@@ -33,6 +36,21 @@ class ModelRunner:
         sizes = sizes or bucket_sizes(self.max_num_seqs)
         self.graphs = DecodeGraphs(self.model, self.kv_cache, max(sizes), self.inputs.max_blocks)
         return self.graphs.capture(sizes)
+
+    def capture_piecewise_graphs(self, max_tokens: int) -> PiecewiseReport:
+        if self.device.type != "cuda":
+            raise ValueError("piecewise CUDA graphs need --device cuda")
+        sizes = token_buckets(max_tokens)
+        self.piecewise = PiecewiseGraphs(self.model, self.kv_cache, sizes[-1])
+        return self.piecewise.capture(sizes)
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        """An eager step: the model's forward, or the piecewise graphs where a bucket holds its tokens."""
+        size = None if self.piecewise is None else self.piecewise.bucket(batch.input_ids.shape[0])
+        if size is None:
+            return self.model.forward(batch, self.kv_cache)
+        hidden, residual = self.piecewise.run(batch, size)
+        return self.model.compute_logits(batch, hidden, residual)
 
     def _graph_size(self, num_new: list[int]) -> int | None:
         if self.graphs is None or self.model.layer_hook is not None:  # the hook runs Python per layer
@@ -61,7 +79,7 @@ class ModelRunner:
             ids.copy_(torch.where(built.token_src >= 0, prev_tokens[built.token_src.clamp(min=0)], ids))
         self.prompt_logits = []
         if built.prompt_spans:
-            logits = self.model.forward(built.batch, self.kv_cache)
+            logits = self._forward(built.batch)
             start = sum(built.logits_rows)
             for i, pos, n in built.prompt_spans:
                 self.prompt_logits.append((i, pos, logits[start : start + n]))
@@ -70,13 +88,13 @@ class ModelRunner:
                 return None, [], []
             return logits[: sum(built.logits_rows)], built.sample_idx, built.logits_rows
         if not built.sample_idx and size is None:
-            self.model.forward(built.batch, self.kv_cache)
+            self._forward(built.batch)
             return None, [], []
         if size is not None and len(built.sample_idx) == built.num_real:
             logits = self.graphs.replay(built.batch, size)
             self.graph_steps += 1
         else:
-            logits = self.model.forward(built.batch, self.kv_cache)
+            logits = self._forward(built.batch)
         if not built.sample_idx:
             return None, [], []
         # Padding rows come last: the real rows' logits lead. The sampler edits rows of sequences
