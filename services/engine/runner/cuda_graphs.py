@@ -10,6 +10,7 @@ The largest bucket is captured first so the smaller ones reuse its memory pool.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass
@@ -24,6 +25,12 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 8 up to max_num_seqs (rounded up to a multiple of 8)."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(8, max_num_seqs + 8, 8))
     return sorted({b for b in sizes if b < max_num_seqs + 8})
+
+
+def smallest_bucket(sizes: list[int], n: int) -> int | None:
+    """The smallest of the sorted sizes that is >= n; None when none is."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 @dataclass
@@ -84,10 +91,7 @@ class DecodeGraphs:
 
     def bucket(self, n: int) -> int | None:
         """The smallest captured size that holds n decode rows; None when none does."""
-        for size in self.sizes:
-            if size >= n:
-                return size
-        return None
+        return smallest_bucket(self.sizes, n)
 
     def replay(self, batch: StepBatch, size: int) -> torch.Tensor:
         """batch: a decode-only step already padded to size rows; returns logits [size, vocab]."""

@@ -9,7 +9,7 @@ import torch
 from kvrelay.engine.model import StepBatch
 from kvrelay.engine.runner.cuda_graphs import CaptureReport, DecodeGraphs, bucket_sizes
 from kvrelay.engine.runner.input_batch import InputBatch
-from kvrelay.engine.runner.piecewise_graphs import PiecewiseGraphs, PiecewiseReport, token_buckets
+from kvrelay.engine.runner.piecewise_graphs import PiecewiseGraphs, token_buckets
 from kvrelay.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_cache, max(sizes), self.inputs.max_blocks)
         return self.graphs.capture(sizes)
 
-    def capture_piecewise_graphs(self, max_tokens: int) -> PiecewiseReport:
+    def capture_piecewise_graphs(self, max_tokens: int) -> CaptureReport:
         if self.device.type != "cuda":
             raise ValueError("piecewise CUDA graphs need --device cuda")
         sizes = token_buckets(max_tokens)

@@ -23,10 +23,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from kvrelay.engine.model import StepBatch
+from kvrelay.engine.runner.cuda_graphs import CaptureReport, smallest_bucket
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +56,6 @@ def token_buckets(max_tokens: int, smallest: int = 256) -> list[int]:
     while sizes[-1] < max_tokens:
         sizes.append(sizes[-1] * 2)
     return sizes
-
-
-@dataclass
-class PiecewiseReport:
-    num_graphs: int
-    seconds: float
-    memory_bytes: int
 
 
 class PiecewiseGraphs:
@@ -110,7 +103,7 @@ class PiecewiseGraphs:
         return run
 
     @torch.inference_mode()
-    def capture(self, sizes: list[int], use_graphs: bool = True) -> PiecewiseReport:
+    def capture(self, sizes: list[int], use_graphs: bool = True) -> CaptureReport:
         start = time.perf_counter()
         cuda = use_graphs and self.kv_cache.device.type == "cuda"
         if cuda:
@@ -137,7 +130,7 @@ class PiecewiseGraphs:
         if cuda:
             torch.cuda.synchronize()
             used = free_before - torch.cuda.mem_get_info()[0]
-        report = PiecewiseReport(count, time.perf_counter() - start, used)
+        report = CaptureReport(count, time.perf_counter() - start, used)
         if cuda:
             log.info("captured %d piecewise CUDA graphs (%d token buckets, %d..%d) in %.1f s, %.0f MiB",
                      count, len(self.sizes), self.sizes[0], self.sizes[-1], report.seconds, used / 2**20)
@@ -145,10 +138,7 @@ class PiecewiseGraphs:
 
     def bucket(self, n: int) -> int | None:
         """The smallest captured size that holds n tokens; None when none does."""
-        for size in self.sizes:
-            if size >= n:
-                return size
-        return None
+        return smallest_bucket(self.sizes, n)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, size: int) -> tuple[torch.Tensor, torch.Tensor]:
