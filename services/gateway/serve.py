@@ -30,6 +30,7 @@ from kvrelay.gateway.tenants import TenantConfigError, TenantRegistry
 from kvrelay.kvtransfer.watchdog import WatchdogConfig
 from kvrelay.kvtransfer.worker_base import PARENT_PID_ENV
 
+from kvrelay import interrupt
 from kvrelay.log_format import add_log_arguments, setup_logging
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,8 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
         metrics_server, _ = start_http_server(args.metrics_port, addr=args.host,
                                               registry=app.state.gateway.metrics.registry)
     try:
+        if interrupt.requested():  # Ctrl+C while loading, swallowed by a library (kvrelay.interrupt)
+            return 0
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it already handled: a clean stop
         pass

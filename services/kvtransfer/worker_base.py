@@ -26,6 +26,7 @@ from kvrelay.kvtransfer.shm import SharedKVCache
 from kvrelay.kvtransfer.watchdog import HANG_AFTER_STEPS_ENV, Watchdog, WatchdogConfig, install_hang_hook
 from kvrelay.v1 import load_pb2_grpc
 
+from kvrelay import interrupt
 from kvrelay.log_format import add_log_arguments
 
 log = logging.getLogger(__name__)
@@ -242,6 +243,8 @@ async def serve_forever(worker_cls, args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if interrupt.requested():  # Ctrl+C while loading, swallowed by a library (kvrelay.interrupt)
+        stop.set()
     print(f"kvrelay {worker.role} listening on {args.host}:{port} model={worker.layout.describe()}", flush=True)
     return await run_until_stopped(worker, stop)
 

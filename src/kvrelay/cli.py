@@ -10,6 +10,8 @@ import importlib
 import signal
 import sys
 
+from kvrelay import interrupt
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvrelay.engine.cli_generate", "generate completions for prompts offline"),
     "serve": (
@@ -45,11 +47,13 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
 
 def _stop_on_sigterm(signum, frame) -> None:
     # SIGTERM takes the same clean way out as Ctrl+C: finally blocks run, no traceback (main()).
+    interrupt.request()
     raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    interrupt.install()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl+C or SIGTERM before a role installed its own handlers
@@ -68,6 +72,8 @@ def _main(argv: list[str] | None) -> int:
         modules[name] = module
         module.add_arguments(command := sub.add_parser(name, help=help_text, description=help_text))
         show_defaults(command)
+    if interrupt.requested():  # a Ctrl+C that an import swallowed (kvrelay.interrupt)
+        return 0
     args = parser.parse_args(argv)
     from kvrelay.preflight import StartupError, check
 
