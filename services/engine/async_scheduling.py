@@ -22,7 +22,8 @@ need no fence: the device runs steps in launch order, so a block freed while ste
 flight is written by a later step only after N+1 is done with it.
 
 A step waits for the previous one's tokens (no overlap) where the host needs them first: a
-sequence whose sampling reads its history (penalties, logits processors, a grammar), prompt
+sequence whose sampling reads its history on the host (logits processors, a grammar; penalties
+count the token in flight on the device), prompt
 logprobs, a previous step that returns logprobs, or a sequence preempted and scheduled again.
 """
 
@@ -43,10 +44,9 @@ PENDING = -1  # where a token sampled by a step still on the device will go in t
 
 
 def reads_history(seq: Sequence) -> bool:
-    """Whether sampling seq's next token reads the ids of its earlier tokens on the host."""
-    p = seq.params
-    return (p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
-            or bool(seq.processors) or seq.grammar is not None)
+    """Whether sampling seq's next token needs every earlier token's id on the host. Penalties do
+    not: they take the token still in flight from the device (sampler._adjust's pending)."""
+    return bool(seq.processors) or seq.grammar is not None
 
 
 @dataclass
@@ -67,6 +67,9 @@ class AsyncScheduling:
     def __init__(self, engine):
         self.engine = engine
         self.in_flight: _InFlight | None = None
+        # Steps launched while the previous one was in flight, and steps that waited for its tokens.
+        self.overlapped_steps = 0
+        self.waited_steps = 0
 
     def step(self) -> list[RequestOutput]:
         eng = self.engine
@@ -74,6 +77,7 @@ class AsyncScheduling:
         prev, self.in_flight = self.in_flight, None
         outputs: list[RequestOutput] = []
         if prev is not None and (not step.seqs or not self._can_overlap(step, prev)):
+            self.waited_steps += bool(step.seqs)
             outputs = self._collect(prev)  # this step needs the tokens on the host first
             prev = None
             step = _without_finished(step)
@@ -85,6 +89,7 @@ class AsyncScheduling:
                 seq.metrics.first_scheduled_time = now
         self.in_flight = self._launch(step, prev)
         if prev is not None:
+            self.overlapped_steps += 1
             outputs = self._collect(prev)
         return outputs
 
@@ -117,7 +122,12 @@ class AsyncScheduling:
         if not sample_idx:
             return _InFlight(step.seqs, [], [], None, None, None)
         seqs = [step.seqs[i] for i in sample_idx]
-        sampled = sample_on_device(logits, seqs, wait_free=True)
+        pending = None
+        if token_src:  # penalties count each sequence's token in flight from the device
+            tokens = prev.sampled.tokens
+            pending = {j: tokens[token_src[i]:token_src[i] + 1] for j, i in enumerate(sample_idx)
+                       if seqs[j].adjusts_logits and i in token_src}
+        sampled = sample_on_device(logits, seqs, wait_free=True, pending=pending)
         slots = []
         for seq in seqs:
             ids = seq.token_ids

@@ -15,19 +15,28 @@ from kvrelay.engine.sequence import Sequence
 from kvrelay.engine.structured import mask as grammar_mask
 
 
-def _adjust(row: torch.Tensor, seq: Sequence) -> None:
-    """Penalties, logit bias and the min_tokens ban on stop tokens, on one row of logits in place."""
+def _adjust(row: torch.Tensor, seq: Sequence, pending: torch.Tensor | None = None) -> None:
+    """Penalties, logit bias and the min_tokens ban on stop tokens, on one row of logits in place.
+
+    pending: with async scheduling, the last token (PENDING in token_ids) as a one-element tensor on
+    the device, sampled by the step still in flight. No op here waits for the device (no unique, no
+    bincount, no boolean indexing: their output sizes depend on the data), so such a step overlaps."""
     p = seq.params
     vocab = row.shape[0]
+    history = seq.token_ids if pending is None else seq.token_ids[:-1]
     if p.repetition_penalty != 1.0:
-        seen = torch.unique(torch.tensor(seq.token_ids, dtype=torch.int64, device=row.device))
-        seen = seen[seen < vocab]
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+        seen[to_device([t for t in history if 0 <= t < vocab], row.device, torch.int64)] = True
+        if pending is not None:
+            seen[pending] = True
+        penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row.copy_(torch.where(seen, penalised, row))
     if (p.presence_penalty or p.frequency_penalty) and seq.num_generated:
-        counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.int64, device=row.device), minlength=vocab)[
-            :vocab
-        ].float()
+        counts = torch.zeros(vocab, dtype=torch.float32, device=row.device)
+        out = [t for t in history[seq.prompt_len:] if 0 <= t < vocab]
+        counts.index_add_(0, to_device(out, row.device, torch.int64), torch.ones(len(out), device=row.device))
+        if pending is not None:
+            counts.index_add_(0, pending, torch.ones(1, device=row.device))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     if seq.logit_bias is not None:
         ids, values = seq.logit_bias
@@ -119,9 +128,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]
 
 
 @torch.inference_mode()
-def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], wait_free: bool = False) -> Sampled:
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], wait_free: bool = False,
+                     pending: dict[int, torch.Tensor] | None = None) -> Sampled:
     """sample() up to the tokens, still on the device. wait_free: the host reads nothing back, so a
-    step launched ahead of the previous one's tokens never waits (async scheduling). Each sampled
+    step launched ahead of the previous one's tokens never waits (async scheduling); pending: row ->
+    its sequence's last token, still on the device, for the penalties (_adjust). Each sampled
     sequence's uniform is drawn from its stream now, in token order."""
     raw_logprobs = None
     params = [s.params for s in seqs]
@@ -132,7 +143,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], wait_free: bool
 
     for i, seq in enumerate(seqs):
         if seq.adjusts_logits:
-            _adjust(logits[i], seq)
+            _adjust(logits[i], seq, pending.get(i) if pending else None)
     constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if constrained:  # after penalties and bias, before temperature and filtering
         grammar_mask.apply(logits, constrained, [seqs[i] for i in constrained],

@@ -18,7 +18,8 @@ from kvrelay.models import BUNDLED_MODEL
 
 def _requests() -> dict[str, tuple]:
     """Every kind of sequence: greedy, seeded, filtered, stops by string, id and length, n > 1,
-    logprobs, min_tokens, and a penalty and a grammar (whose steps wait for the tokens)."""
+    logprobs, min_tokens, penalties (counting the token in flight on the device) and a grammar (whose
+    steps wait for the tokens)."""
     return {
         "greedy": (PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0)),
         "stop_string": (PROMPTS[2], SamplingParams(max_tokens=60, temperature=0.0, stop=[" the", "."])),
@@ -30,6 +31,8 @@ def _requests() -> dict[str, tuple]:
         "min_tokens": (PROMPTS[4], SamplingParams(max_tokens=20, temperature=0.0, min_tokens=8,
                                                   stop_token_ids=[426])),  # "." here
         "penalised": (PROMPTS[5], SamplingParams(max_tokens=25, temperature=0.0, repetition_penalty=1.3)),
+        "frequency": (PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.8, seed=9, frequency_penalty=0.7,
+                                                 presence_penalty=0.4, logit_bias={426: -2.0})),
         "grammar": (PROMPTS[3], SamplingParams(max_tokens=40, temperature=1.0, seed=2, n=2, structured=GuidedSpec(
             "regex", r"(The|A) (cat|dog|bird) (ran|sat|sang)( and (ran|sat|sang)){0,12}\."))),
         "short": (PROMPTS[4], SamplingParams(max_tokens=1, temperature=0.0)),
@@ -101,6 +104,40 @@ def test_the_engine_runs_one_step_ahead_of_its_tokens():
     while ref.has_work():
         want += [t for o in ref.step() for t in o.new_token_ids]
     assert ids == want
+
+
+PENALTIES = {
+    "repetition": SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.5, ignore_eos=True),
+    "presence_frequency": SamplingParams(max_tokens=30, temperature=0.9, seed=4, presence_penalty=2.0, ignore_eos=True,
+                                         frequency_penalty=2.0),
+}
+
+
+@pytest.mark.parametrize("name", PENALTIES)
+def test_penalised_sequences_overlap_and_count_the_token_in_flight(name):
+    """A penalty needs every earlier token, the last one still on the device: it is counted there,
+    so steps overlap (no step waits), and the tokens are the synchronous engine's."""
+    params = PENALTIES[name]
+    results = []
+    for overlapped in (False, True):
+        engine = make_engine(BUNDLED_MODEL, async_scheduling=overlapped)
+        results.append(_collect(engine, {f"r{i}": (PROMPTS[i], params) for i in range(3)}))
+        if overlapped:
+            assert engine.overlap.waited_steps == 0 and engine.overlap.overlapped_steps >= params.max_tokens - 1
+    _same(*results)
+    ids = results[0][("r0", 0)]["ids"]
+    plain = _collect(make_engine(BUNDLED_MODEL), {"r0": (PROMPTS[0], SamplingParams(
+        max_tokens=30, temperature=params.temperature, seed=params.seed, ignore_eos=True))})[("r0", 0)]["ids"]
+    assert ids != plain  # the penalty did change what was sampled
+    if name == "repetition":  # stories260K greedy repeats itself within 30 tokens; penalised it repeats less
+        assert len(set(ids)) > len(set(plain))
+
+
+def test_a_grammar_still_waits_for_the_tokens():
+    engine = make_engine(BUNDLED_MODEL, async_scheduling=True)
+    _collect(engine, {"g": (PROMPTS[3], SamplingParams(max_tokens=20, temperature=1.0, seed=2, structured=GuidedSpec(
+        "regex", r"(The|A) (cat|dog) (ran|sat)( and (ran|sat)){0,12}\.")))})
+    assert engine.overlap.waited_steps > 0
 
 
 def test_aborts_mid_flight_free_everything_and_leave_the_others_alone():

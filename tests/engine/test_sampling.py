@@ -6,7 +6,8 @@ import random
 
 import torch
 from helpers import PROMPTS, make_engine, run_engine
-from kvrelay.engine.sampler import _draw, sample
+from kvrelay.engine.async_scheduling import PENDING
+from kvrelay.engine.sampler import _adjust, _draw, sample
 from kvrelay.engine.sampling_params import SamplingParams
 
 from kvrelay.models import BUNDLED_MODEL
@@ -213,3 +214,22 @@ def test_min_tokens_bans_stop_ids_until_reached():
     out = run_engine(engine, {"early": ("Once upon a time", early), "held": ("Once upon a time", held)})
     assert out["early"] == [stop]
     assert len(out["held"]) >= 4 and stop not in out["held"][:4]
+
+
+def test_penalties_count_a_token_still_on_the_device_as_one_on_the_host():
+    """Async scheduling samples with the previous token still on the device (PENDING on the host):
+    every penalty must count it exactly as it counts a token the host has."""
+    engine = make_engine(BUNDLED_MODEL)
+    params = SamplingParams(max_tokens=20, temperature=1.0, repetition_penalty=1.7, presence_penalty=1.5,
+                            frequency_penalty=0.9)
+    (host,) = engine.add_request("Once upon a time", params, "host")
+    (ahead,) = engine.add_request("Once upon a time", params, "ahead")
+    fresh = next(t for t in range(300, 512) if t not in host.token_ids)  # in neither prompt nor outputs
+    host.token_ids += [301, 302, 301, fresh]
+    ahead.token_ids += [301, 302, 301, PENDING]
+    logits = torch.randn(512, generator=torch.Generator().manual_seed(0)) * 3
+    want, got = logits.clone(), logits.clone()
+    _adjust(want, host)
+    _adjust(got, ahead, torch.tensor([fresh]))
+    assert torch.equal(got, want)
+    assert want[fresh] != logits[fresh]  # the in-flight token was penalised
