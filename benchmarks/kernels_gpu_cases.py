@@ -1,8 +1,9 @@
 """The elementwise, block-copy, int8 and MoE cases of benchmarks/kernels_gpu.py (--only elementwise,
 blocks,int8,moe): RMSNorm, fused add+RMSNorm, SiLU-and-mul, rotary embedding and write_kv against the
-eager reference ops; gather/scatter of whole KV blocks; int8 weight quantization and the W8A16 matmul
-against bf16 F.linear; the fused MoE kernel (bf16 and, on FP8 GPUs, fp8 experts) against a per-expert
-torch loop. Each case checks the kernel against its reference before timing it through Bench."""
+eager reference ops, and rotary with write_kv in one launch against the two kernels; gather/scatter of
+whole KV blocks; int8 weight quantization and the W8A16 matmul against bf16 F.linear; the fused MoE
+kernel (bf16 and, on FP8 GPUs, fp8 experts) against a per-expert torch loop. Each case checks the
+kernel against its reference before timing it through Bench."""
 
 from __future__ import annotations
 
@@ -89,6 +90,29 @@ def bench_elementwise(b: Bench, ops, ref, tokens, hidden, inter, heads, kv_heads
         (k_ref, v_ref),
         (k_cache, v_cache),
         nbytes=4 * tokens * kv_heads * head_dim * es,
+        atol=0,
+        rtol=0,
+    )
+
+    # The engine's layer_qkv: rotary then the K/V write in one launch, against the two kernels.
+    k_two, v_two = k_cache.clone(), v_cache.clone()
+
+    def two_ops():
+        q_rot, k_rot = ops.rotary_embedding(positions, q, k, cache)
+        ops.write_kv(k_rot, v, k_two, v_two, slots)
+        return q_rot, k_rot
+
+    want_q, want_k = two_ops()
+    got_q, got_k = ops.rotary_and_write_kv(positions, q, k, v, cache, k_cache, v_cache, slots)
+    b.add(
+        "rotary_and_write_kv",
+        f"T={tokens} H={heads}/{kv_heads} D={head_dim}",
+        lambda: ops.rotary_and_write_kv(positions, q, k, v, cache, k_cache, v_cache, slots),
+        two_ops,
+        "rotary+write_kv",
+        (want_q, want_k, k_two, v_two),
+        (got_q, got_k, k_cache, v_cache),
+        nbytes=(2 * (heads + kv_heads) * head_dim + 3 * kv_heads * head_dim) * tokens * es + tokens * head_dim * 4,
         atol=0,
         rtol=0,
     )

@@ -74,6 +74,8 @@ class KernelOps:
     # Prefill attention of chunks without a cached prefix over their own contiguous K/V, or None
     # where it cannot serve the inputs (kvrelay.kernels.flash_prefill); None: the paged kernel only.
     fresh_prefill_attention: Callable | None = None
+    # rotary_embedding then write_kv in one launch (same numbers), or None: the model calls the two.
+    rotary_and_write_kv: Callable | None = None
 
 
 def _from_module(backend: str, module: types.ModuleType) -> KernelOps:
@@ -123,8 +125,9 @@ def _triton_ops() -> KernelOps:
     except ImportError as exc:
         raise RuntimeError(f"kernel backend 'triton' needs the triton package: {exc}") from exc
     from kvrelay.kernels import flash_prefill
+    from kvrelay.kernels.triton_rotary_kv import rotary_and_write_kv
 
-    ops = _from_module("triton", triton_ops)
+    ops = dataclasses.replace(_from_module("triton", triton_ops), rotary_and_write_kv=rotary_and_write_kv)
     if flash_prefill.available():
         ops = dataclasses.replace(ops, fresh_prefill_attention=flash_prefill.fresh_prefill_attention)
     return ops

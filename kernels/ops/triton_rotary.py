@@ -13,21 +13,38 @@ from kvrelay.kernels.triton_common import on_device, pow2
 
 
 @triton.jit
-def _rotate_heads(
-    src_ptr, dst_ptr, tok, tok_stride, head_stride, out_tok_stride, out_head_stride,
-    num_heads, half, cos, sin, d,
-    BLOCK_H: tl.constexpr,
-):
+def load_cos_sin(pos_ptr, cs_ptr, tok, cs_stride, half, out_ty: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """This token's (cos, sin) halves in fp32, and the column offsets d."""
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < half
+    # The reference multiplies in q's dtype: round the table the same way.
+    cos = tl.load(cs_ptr + pos * cs_stride + d, mask=dmask, other=0.0)
+    sin = tl.load(cs_ptr + pos * cs_stride + half + d, mask=dmask, other=0.0)
+    return cos.to(out_ty).to(tl.float32), sin.to(out_ty).to(tl.float32), d
+
+
+@triton.jit
+def rotate_heads(src_ptr, tok, tok_stride, head_stride, num_heads, half, cos, sin, d, BLOCK_H: tl.constexpr):
+    """One token's heads rotated, in fp32: (first halves, second halves, mask), [BLOCK_H, BLOCK_HALF]."""
     h = tl.arange(0, BLOCK_H)
     mask = (h < num_heads)[:, None] & (d < half)[None, :]
     src = src_ptr + tok * tok_stride + h[:, None] * head_stride + d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    dst = dst_ptr + tok * out_tok_stride + h[:, None] * out_head_stride + d[None, :]
-    tl.store(dst, out1.to(dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half, out2.to(dst_ptr.dtype.element_ty), mask=mask)
+    return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :], mask
+
+
+@triton.jit
+def store_halves(dst_ptr, offsets, half, out1, out2, mask):
+    tl.store(dst_ptr + offsets, out1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_ptr + offsets + half, out2.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def head_offsets(tok, tok_stride, head_stride, d, BLOCK_H: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    return tok * tok_stride + h[:, None] * head_stride + d[None, :]
 
 
 @triton.jit
@@ -39,18 +56,11 @@ def _rotary_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    dmask = d < half
-    # The reference multiplies in q's dtype: round the table the same way.
-    cos = tl.load(cs_ptr + pos * cs_stride + d, mask=dmask, other=0.0)
-    sin = tl.load(cs_ptr + pos * cs_stride + half + d, mask=dmask, other=0.0)
-    cos = cos.to(q_out_ptr.dtype.element_ty).to(tl.float32)
-    sin = sin.to(q_out_ptr.dtype.element_ty).to(tl.float32)
-    _rotate_heads(q_ptr, q_out_ptr, tok, q_tok_stride, q_head_stride, qo_tok_stride, qo_head_stride,
-                  num_q_heads, half, cos, sin, d, BLOCK_HQ)
-    _rotate_heads(k_ptr, k_out_ptr, tok, k_tok_stride, k_head_stride, ko_tok_stride, ko_head_stride,
-                  num_k_heads, half, cos, sin, d, BLOCK_HK)
+    cos, sin, d = load_cos_sin(pos_ptr, cs_ptr, tok, cs_stride, half, q_out_ptr.dtype.element_ty, BLOCK_HALF)
+    q1, q2, qmask = rotate_heads(q_ptr, tok, q_tok_stride, q_head_stride, num_q_heads, half, cos, sin, d, BLOCK_HQ)
+    store_halves(q_out_ptr, head_offsets(tok, qo_tok_stride, qo_head_stride, d, BLOCK_HQ), half, q1, q2, qmask)
+    k1, k2, kmask = rotate_heads(k_ptr, tok, k_tok_stride, k_head_stride, num_k_heads, half, cos, sin, d, BLOCK_HK)
+    store_halves(k_out_ptr, head_offsets(tok, ko_tok_stride, ko_head_stride, d, BLOCK_HK), half, k1, k2, kmask)
 
 
 def rotary_embedding(

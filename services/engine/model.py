@@ -146,8 +146,12 @@ class DecoderModel:
             q = ops.rms_norm(q, lw.q_norm, eps)
             k = ops.rms_norm(k, lw.k_norm, eps)
         rope = self.local_cos_sin_cache if "window" in self.attn_kwargs[layer_idx] else self.cos_sin_cache
-        q, k = ops.rotary_embedding(positions, q, k, rope)
-        ops.write_kv(k, v, kv_cache[layer_idx, 0], kv_cache[layer_idx, 1], slot_mapping)
+        if ops.rotary_and_write_kv is not None:  # one launch (Triton)
+            q, k = ops.rotary_and_write_kv(positions, q, k, v, rope, kv_cache[layer_idx, 0], kv_cache[layer_idx, 1],
+                                           slot_mapping)
+        else:
+            q, k = ops.rotary_embedding(positions, q, k, rope)
+            ops.write_kv(k, v, kv_cache[layer_idx, 0], kv_cache[layer_idx, 1], slot_mapping)
         return q, k, v, residual
 
     def layer_attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

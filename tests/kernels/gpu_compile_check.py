@@ -55,6 +55,8 @@ def install(arch: int) -> list:
 
 def exercise(ops) -> None:
     """Call each op with shapes that select every code path the GPU will see."""
+    from kvrelay.kernels.triton_rotary_kv import rotary_and_write_kv
+
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for head_dim, heads, kv_heads in ((8, 8, 4), (64, 8, 2), (128, 32, 8)):
             kv = torch.zeros((2, 8, 16, kv_heads, head_dim), dtype=dtype)
@@ -68,6 +70,8 @@ def exercise(ops) -> None:
             positions = torch.zeros(3, dtype=torch.int64)
             ops.rotary_embedding(positions, q, q[:, :kv_heads], torch.zeros((4, head_dim)))
             ops.write_kv(q[:, :kv_heads], q[:, :kv_heads], kv[0], kv[1], torch.zeros(3, dtype=torch.int64))
+            rotary_and_write_kv(positions, q, q[:, :kv_heads], q[:, :kv_heads], torch.zeros((4, head_dim)),
+                                kv[0], kv[1], torch.zeros(3, dtype=torch.int64))
         x = torch.zeros((5, 4096), dtype=dtype)
         ops.rms_norm(x, torch.zeros(4096, dtype=dtype), 1e-5)
         ops.fused_add_rms_norm(x, x, torch.zeros(4096, dtype=dtype), 1e-5)

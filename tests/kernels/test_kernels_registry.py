@@ -21,8 +21,9 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_every_op_is_a_kernelops_field():
-    # fresh_prefill_attention is an optional fast path (None where a backend has none), not in OP_NAMES.
-    assert {f.name for f in fields(KernelOps)} == {"backend", "fresh_prefill_attention", *OP_NAMES}
+    # Optional fast paths (None where a backend has none), not in OP_NAMES.
+    optional = {"fresh_prefill_attention", "rotary_and_write_kv"}
+    assert {f.name for f in fields(KernelOps)} == {"backend", *optional, *OP_NAMES}
 
 
 def test_torch_backend_is_the_reference():
