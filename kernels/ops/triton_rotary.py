@@ -48,6 +48,24 @@ def head_offsets(tok, tok_stride, head_stride, d, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
+def rotate_q_and_k(
+    pos_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cs_ptr, tok,
+    q_tok_stride, q_head_stride, k_tok_stride, k_head_stride,
+    qo_tok_stride, qo_head_stride, ko_tok_stride, ko_head_stride, cs_stride,
+    num_q_heads, num_k_heads, half,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """Token tok's q and k rotated into q_out and k_out; returns k's rotated halves (fp32), their
+    mask and the column offsets d, for a caller that stores k elsewhere too."""
+    cos, sin, d = load_cos_sin(pos_ptr, cs_ptr, tok, cs_stride, half, q_out_ptr.dtype.element_ty, BLOCK_HALF)
+    q1, q2, qmask = rotate_heads(q_ptr, tok, q_tok_stride, q_head_stride, num_q_heads, half, cos, sin, d, BLOCK_HQ)
+    store_halves(q_out_ptr, head_offsets(tok, qo_tok_stride, qo_head_stride, d, BLOCK_HQ), half, q1, q2, qmask)
+    k1, k2, kmask = rotate_heads(k_ptr, tok, k_tok_stride, k_head_stride, num_k_heads, half, cos, sin, d, BLOCK_HK)
+    store_halves(k_out_ptr, head_offsets(tok, ko_tok_stride, ko_head_stride, d, BLOCK_HK), half, k1, k2, kmask)
+    return k1, k2, kmask, d
+
+
+@triton.jit
 def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cs_ptr,
     q_tok_stride, q_head_stride, k_tok_stride, k_head_stride,
@@ -55,12 +73,10 @@ def _rotary_kernel(
     num_q_heads, num_k_heads, half,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    tok = tl.program_id(0).to(tl.int64)
-    cos, sin, d = load_cos_sin(pos_ptr, cs_ptr, tok, cs_stride, half, q_out_ptr.dtype.element_ty, BLOCK_HALF)
-    q1, q2, qmask = rotate_heads(q_ptr, tok, q_tok_stride, q_head_stride, num_q_heads, half, cos, sin, d, BLOCK_HQ)
-    store_halves(q_out_ptr, head_offsets(tok, qo_tok_stride, qo_head_stride, d, BLOCK_HQ), half, q1, q2, qmask)
-    k1, k2, kmask = rotate_heads(k_ptr, tok, k_tok_stride, k_head_stride, num_k_heads, half, cos, sin, d, BLOCK_HK)
-    store_halves(k_out_ptr, head_offsets(tok, ko_tok_stride, ko_head_stride, d, BLOCK_HK), half, k1, k2, kmask)
+    rotate_q_and_k(pos_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cs_ptr, tl.program_id(0).to(tl.int64),
+                   q_tok_stride, q_head_stride, k_tok_stride, k_head_stride,
+                   qo_tok_stride, qo_head_stride, ko_tok_stride, ko_head_stride, cs_stride,
+                   num_q_heads, num_k_heads, half, BLOCK_HQ, BLOCK_HK, BLOCK_HALF)
 
 
 def rotary_embedding(

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 from kvrelay.kernels.triton_common import on_device, pow2
-from kvrelay.kernels.triton_rotary import head_offsets, load_cos_sin, rotate_heads, store_halves
+from kvrelay.kernels.triton_rotary import head_offsets, rotate_q_and_k, store_halves
 
 
 @triton.jit
@@ -25,11 +25,10 @@ def _rotary_write_kv_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    cos, sin, d = load_cos_sin(pos_ptr, cs_ptr, tok, cs_stride, half, q_out_ptr.dtype.element_ty, BLOCK_HALF)
-    q1, q2, qmask = rotate_heads(q_ptr, tok, q_tok_stride, q_head_stride, num_q_heads, half, cos, sin, d, BLOCK_HQ)
-    store_halves(q_out_ptr, head_offsets(tok, qo_tok_stride, qo_head_stride, d, BLOCK_HQ), half, q1, q2, qmask)
-    k1, k2, kmask = rotate_heads(k_ptr, tok, k_tok_stride, k_head_stride, num_k_heads, half, cos, sin, d, BLOCK_HK)
-    store_halves(k_out_ptr, head_offsets(tok, ko_tok_stride, ko_head_stride, d, BLOCK_HK), half, k1, k2, kmask)
+    k1, k2, kmask, d = rotate_q_and_k(pos_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cs_ptr, tok,
+                                      q_tok_stride, q_head_stride, k_tok_stride, k_head_stride,
+                                      qo_tok_stride, qo_head_stride, ko_tok_stride, ko_head_stride, cs_stride,
+                                      num_q_heads, num_k_heads, half, BLOCK_HQ, BLOCK_HK, BLOCK_HALF)
 
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     # slot < 0 marks padding tokens: nothing is written for them (their column limits are 0).

@@ -23,8 +23,8 @@ flight is written by a later step only after N+1 is done with it.
 
 A step waits for the previous one's tokens (no overlap) where the host needs them first: a
 sequence whose sampling reads its history on the host (logits processors, a grammar; penalties
-count the token in flight on the device), prompt
-logprobs, a previous step that returns logprobs, or a sequence preempted and scheduled again.
+count the token in flight on the device), prompt logprobs, a previous step that returns
+logprobs, or a sequence preempted and scheduled again.
 """
 
 from __future__ import annotations
@@ -41,12 +41,6 @@ from kvrelay.engine.sequence import Sequence, Status
 
 FINISHED = Status.FINISHED
 PENDING = -1  # where a token sampled by a step still on the device will go in token_ids
-
-
-def reads_history(seq: Sequence) -> bool:
-    """Whether sampling seq's next token needs every earlier token's id on the host. Penalties do
-    not: they take the token still in flight from the device (sampler._adjust's pending)."""
-    return bool(seq.processors) or seq.grammar is not None
 
 
 @dataclass
@@ -97,8 +91,9 @@ class AsyncScheduling:
         if prev.sampled is not None and prev.sampled.want_logprobs:
             return False
         for seq, n in zip(step.seqs, step.num_new):
-            # adjusts_logits or a grammar first: most sequences have neither, and this runs per step.
-            if (seq.adjusts_logits or seq.grammar is not None) and reads_history(seq) or seq.prompt_lps is not None:
+            # Logits processors and grammars read every earlier token on the host. Penalties do not:
+            # they take the token in flight from the device (sampler._adjust's pending).
+            if seq.processors or seq.grammar is not None or seq.prompt_lps is not None:
                 return False
             # A PENDING token is only ever the input of a decode row (not of a recomputed prompt).
             if seq.token_ids[-1] == PENDING and (n != 1 or seq.num_computed != seq.num_tokens - 1):

@@ -109,18 +109,23 @@ def test_serve_stops_on_ctrl_c_and_sigterm_with_code_0_and_no_traceback(sig, tmp
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
 
 
+def _stopped(proc: subprocess.Popen, timeout: float, failure: str) -> str:
+    """proc's stderr once it exits; an AssertionError with failure and the stderr's tail if it has
+    not within timeout seconds."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"{failure}:\n{proc.communicate()[1][-3000:]}") from None
+
+
 def test_serve_stopped_while_loading_exits_0_without_traceback():
     proc = subprocess.Popen([*KVRELAY, "serve", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     time.sleep(1.5)  # inside imports or the model load
     proc.send_signal(signal.SIGINT)
-    try:
-        # Generous: the stop waits for the engine process, which on a loaded machine may still be importing.
-        _, err = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-        raise AssertionError(f"serve did not stop within 90 s of Ctrl+C:\n{err[-3000:]}") from None
+    # Generous: the stop waits for the engine process, which on a loaded machine may still be importing.
+    err = _stopped(proc, 90, "serve did not stop within 90 s of Ctrl+C")
     # 0, or the status of a process stopped by SIGINT (a shell's 130): CPython's exec() of a string
     # marks a KeyboardInterrupt raised inside it as unhandled even when caught, and exits that way at the
     # end (dataclasses build methods with exec, so a Ctrl+C inside fastapi's import does it). Never a traceback.
@@ -160,12 +165,7 @@ def test_serve_stops_on_a_ctrl_c_that_a_library_swallowed_while_loading(tmp_path
                PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([*KVRELAY, "serve", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
-    try:
-        _, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-        raise AssertionError(f"serve went on after a swallowed Ctrl+C:\n{err[-3000:]}") from None
+    err = _stopped(proc, 120, "serve went on after a swallowed Ctrl+C")
     assert log.read_text() == "swallowed"  # the Ctrl+C did land inside that import
     assert proc.returncode == 0 and "Traceback" not in err, (proc.returncode, err)
     assert "Uvicorn running" not in err and "Application startup complete" not in err
