@@ -21,10 +21,11 @@ seeded sequence drawing its uniforms from its own stream in token order. Freed a
 need no fence: the device runs steps in launch order, so a block freed while step N+1 is in
 flight is written by a later step only after N+1 is done with it.
 
-A step waits for the previous one's tokens (no overlap) where the host needs them first: a
-sequence whose sampling reads its history on the host (logits processors, a grammar; penalties
-count the token in flight on the device), prompt logprobs, a previous step that returns
-logprobs, or a sequence preempted and scheduled again.
+Logprobs and prompt logprobs are computed on the device at launch and come back in the same
+copy as the tokens. A step waits for the previous one's tokens (no overlap) only where the host
+needs them first: a sequence whose sampling reads its history on the host (logits processors, a
+grammar; penalties count the token in flight on the device), or a sequence preempted and
+scheduled again.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 from kvrelay.engine.outputs import RequestOutput
-from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
+from kvrelay.engine.prompt_logprobs import PromptScores, score_prompt
 from kvrelay.engine.sampler import Sampled, sample_on_device
 from kvrelay.engine.scheduler import ScheduledStep
 from kvrelay.engine.sequence import Sequence, Status
@@ -50,9 +51,10 @@ class _InFlight:
     computed: list[Sequence]  # every sequence the step computed (their full blocks register on collect)
     seqs: list[Sequence]  # the sequences that sampled, in the order of sampled.tokens
     slots: list[int]  # where each one's token goes in its token_ids
-    sampled: Sampled | None
-    host: torch.Tensor | None  # sampled.tokens on the host (pinned on CUDA), filled by `ready`
-    ready: torch.cuda.Event | None  # CUDA: recorded after the copy to `host`
+    on_device: torch.Tensor | None  # the sampled tokens on the device: the next step's inputs
+    sampled: Sampled | None  # tokens and logprobs on the host (pinned on CUDA), filled by `ready`
+    scores: PromptScores | None  # prompt logprobs of the step's prefill rows, likewise on the host
+    ready: torch.cuda.Event | None  # CUDA: recorded after the copies to the host
 
 
 class AsyncScheduling:
@@ -88,12 +90,10 @@ class AsyncScheduling:
         return outputs
 
     def _can_overlap(self, step: ScheduledStep, prev: _InFlight) -> bool:
-        if prev.sampled is not None and prev.sampled.want_logprobs:
-            return False
         for seq, n in zip(step.seqs, step.num_new):
             # Logits processors and grammars read every earlier token on the host. Penalties do not:
             # they take the token in flight from the device (sampler._adjust's pending).
-            if seq.processors or seq.grammar is not None or seq.prompt_lps is not None:
+            if seq.processors or seq.grammar is not None:
                 return False
             # A PENDING token is only ever the input of a decode row (not of a recomputed prompt).
             if seq.token_ids[-1] == PENDING and (n != 1 or seq.num_computed != seq.num_tokens - 1):
@@ -109,17 +109,16 @@ class AsyncScheduling:
         scoring = frozenset(i for i, s in enumerate(step.seqs) if s.prompt_lps is not None
                             and s.num_computed < s.prompt_len - 1)
         logits, sample_idx, _ = eng.runner.execute(step.seqs, step.num_new, frozenset(), scoring, token_src,
-                                                   prev.sampled.tokens if token_src else None)
-        if scoring:
-            record_prompt_logprobs(step.seqs, eng.runner.prompt_logits)
+                                                   prev.on_device if token_src else None)
+        scores = score_prompt(step.seqs, eng.runner.prompt_logits).to_host(blocking=False) if scoring else None
         for seq, n in zip(step.seqs, step.num_new):
             seq.num_computed += n
         if not sample_idx:
-            return _InFlight(step.seqs, [], [], None, None, None)
+            return _InFlight(step.seqs, [], [], None, None, scores, _copied(eng.runner.device))
         seqs = [step.seqs[i] for i in sample_idx]
         pending = None
         if token_src:  # penalties count each sequence's token in flight from the device
-            tokens = prev.sampled.tokens
+            tokens = prev.on_device
             pending = {j: tokens[token_src[i]:token_src[i] + 1] for j, i in enumerate(sample_idx)
                        if seqs[j].adjusts_logits and i in token_src}
         sampled = sample_on_device(logits, seqs, wait_free=True, pending=pending)
@@ -129,23 +128,20 @@ class AsyncScheduling:
             slots.append(len(ids))
             if len(ids) - seq.prompt_len + 1 < seq.max_tokens:  # else it ends by length: nothing to schedule
                 ids.append(PENDING)
-        host, ready = sampled.tokens, None
-        if host.device.type == "cuda":
-            host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-            host.copy_(sampled.tokens, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        return _InFlight(step.seqs, seqs, slots, sampled, host, ready)
+        host = sampled.to_host(blocking=False)
+        return _InFlight(step.seqs, seqs, slots, sampled.tokens, host, scores, _copied(eng.runner.device))
 
     def _collect(self, f: _InFlight) -> list[RequestOutput]:
         """Step f's tokens into token_ids, its filled blocks into the prefix cache, then outputs."""
         eng = self.engine
         # Per sequence per step: status and len(token_ids) are read directly, not through properties.
+        if f.ready is not None:
+            f.ready.synchronize()  # this step's copies only; the next step keeps running
+        if f.scores is not None:  # before the outputs: the first one carries them
+            f.scores.record(f.computed)
         tokens: list[int] = []
         if f.sampled is not None:
-            if f.ready is not None:
-                f.ready.synchronize()  # this step's copy only; the next step keeps running
-            tokens = f.host.tolist()
+            tokens = f.sampled.tokens.tolist()
             for seq, slot, token in zip(f.seqs, f.slots, tokens):
                 if seq.status is not FINISHED:  # else aborted since (its PENDING entries were dropped)
                     ids = seq.token_ids
@@ -174,6 +170,15 @@ class AsyncScheduling:
             if ahead and seq.status is not FINISHED:
                 ids.append(PENDING)
         return outputs
+
+
+def _copied(device: torch.device) -> torch.cuda.Event | None:
+    """CUDA: an event recorded after the step's copies to the host were queued; None on CPU."""
+    if device.type != "cuda":
+        return None
+    ready = torch.cuda.Event()
+    ready.record()
+    return ready
 
 
 def _without_finished(step: ScheduledStep) -> ScheduledStep:

@@ -95,34 +95,58 @@ def _draw(probs: torch.Tensor, uniforms: list[float], wait_free: bool = False) -
     return torch.where(past_end, last_positive, picked)
 
 
+def to_host(t: torch.Tensor, blocking: bool = True) -> torch.Tensor:
+    """t on the host. blocking=False: a non-blocking copy into pinned memory that the caller orders
+    with an event before reading it, so the host waits for this copy, not for later launches."""
+    if t.device.type == "cpu":
+        return t
+    if blocking:
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 @dataclass
 class Sampled:
-    """A step's sampled tokens, still on the device (nothing waited for them yet), and what the
-    logprobs they asked for need once the token ids are on the host."""
+    """A step's sampled tokens and the logprobs asked for, on the device until to_host.
+
+    The logprobs are computed on the device at launch (the chosen token's, and the top-k of the
+    largest k asked for), so reading them back is one copy with the tokens: a step that returns
+    logprobs does not keep the next one from being launched ahead of it (async scheduling)."""
 
     tokens: torch.Tensor  # [S] int64
-    raw_logprobs: torch.Tensor | None  # [len(want_logprobs), V]: log-softmax of the raw logits
     want_logprobs: list[int]  # rows that asked for logprobs
     top_k: list[int]  # their params.logprobs
+    chosen: torch.Tensor | None = None  # [W] fp32: log-softmax of the raw logits at each sampled token
+    top_vals: torch.Tensor | None = None  # [W, max(top_k)], best first
+    top_idx: torch.Tensor | None = None
 
-    @torch.inference_mode()
+    def to_host(self, blocking: bool = True) -> Sampled:
+        def copy(t):
+            return None if t is None else to_host(t, blocking)
+
+        return Sampled(copy(self.tokens), self.want_logprobs, self.top_k, copy(self.chosen),
+                       copy(self.top_vals), copy(self.top_idx))
+
     def logprobs(self, token_list: list[int]) -> list[TokenLogprob | None]:
-        """TokenLogprob (or None) per row, given the tokens read back from self.tokens."""
+        """TokenLogprob (or None) per row, from a to_host copy whose tokens are token_list."""
         out: list[TokenLogprob | None] = [None] * len(token_list)
+        if not self.want_logprobs:
+            return out
+        chosen = self.chosen.tolist()
+        vals = self.top_vals.tolist() if self.top_vals is not None else None
+        idx = self.top_idx.tolist() if self.top_idx is not None else None
         for r, (i, k) in enumerate(zip(self.want_logprobs, self.top_k)):
-            row = self.raw_logprobs[r]
-            top = []
-            if k:
-                vals, idx = row.topk(k)
-                top = list(zip(idx.tolist(), vals.tolist()))
-            out[i] = TokenLogprob(token_list[i], float(row[token_list[i]]), top)
+            top = list(zip(idx[r][:k], vals[r][:k])) if k else []
+            out[i] = TokenLogprob(token_list[i], chosen[r], top)
         return out
 
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
     """logits [S, V] fp32 (modified in place). Returns (token ids, TokenLogprob or None) per row."""
-    drawn = sample_on_device(logits, seqs)
+    drawn = sample_on_device(logits, seqs).to_host()
     tokens = drawn.tokens.tolist()
     return tokens, drawn.logprobs(tokens)
 
@@ -134,12 +158,13 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], wait_free: bool
     step launched ahead of the previous one's tokens never waits (async scheduling); pending: row ->
     its sequence's last token, still on the device, for the penalties (_adjust). Each sampled
     sequence's uniform is drawn from its stream now, in token order."""
-    raw_logprobs = None
+    raw_logprobs = lp_index = None
     params = [s.params for s in seqs]
     want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if want_logprobs:
-        rows = logits if len(want_logprobs) == len(seqs) else logits.index_select(0, to_device(want_logprobs, logits.device))
-        raw_logprobs = torch.log_softmax(rows, dim=-1)
+    if want_logprobs:  # of the raw logits, before anything below edits them
+        if len(want_logprobs) < len(seqs):
+            lp_index = to_device(want_logprobs, logits.device)
+        raw_logprobs = torch.log_softmax(logits if lp_index is None else logits.index_select(0, lp_index), dim=-1)
 
     for i, seq in enumerate(seqs):
         if seq.adjusts_logits:
@@ -168,4 +193,11 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], wait_free: bool
         drawn = _draw(rows.softmax(dim=-1), [seqs[i].rng.random() for i in sampled], wait_free)
         tokens = drawn if index is None else tokens.index_copy_(0, index, drawn)
 
-    return Sampled(tokens, raw_logprobs, want_logprobs, [params[i].logprobs for i in want_logprobs])
+    if not want_logprobs:
+        return Sampled(tokens, [], [])
+    top_k = [params[i].logprobs for i in want_logprobs]
+    picked = tokens if lp_index is None else tokens.index_select(0, lp_index)
+    chosen = raw_logprobs.gather(1, picked[:, None]).squeeze(1)
+    k = max(top_k)
+    top_vals, top_idx = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+    return Sampled(tokens, want_logprobs, top_k, chosen, top_vals, top_idx)

@@ -133,6 +133,43 @@ def test_penalised_sequences_overlap_and_count_the_token_in_flight(name):
         assert len(set(ids)) > len(set(plain))
 
 
+def test_logprobs_and_prompt_logprobs_overlap_and_match_the_synchronous_ones():
+    """Logprobs (chosen and top-k) and prompt logprobs are computed on the device at launch and come
+    back with the tokens: no step waits for them, and every value is the synchronous engine's."""
+    requests = {
+        "lp": (PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0, logprobs=5, ignore_eos=True)),
+        "lp0": (PROMPTS[1], SamplingParams(max_tokens=24, temperature=0.9, seed=3, logprobs=0, ignore_eos=True)),
+        "prompt": (PROMPTS[2], SamplingParams(max_tokens=24, temperature=0.0, prompt_logprobs=3, ignore_eos=True)),
+        "plain": (PROMPTS[3], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)),
+    }
+    results = []
+    for overlapped in (False, True):
+        engine = make_engine(BUNDLED_MODEL, async_scheduling=overlapped, max_num_batched_tokens=24)
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(prompt, params, rid)
+        got: dict[str, dict] = {}
+        while engine.has_work():
+            for o in engine.step():
+                rec = got.setdefault(o.request_id, {"ids": [], "lps": [], "prompt": None})
+                rec["ids"] += o.new_token_ids
+                rec["lps"] += [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs or []]
+                if o.prompt_logprobs is not None:
+                    rec["prompt"] = [None if lp is None else (lp.token_id, lp.logprob, lp.top)
+                                     for lp in o.prompt_logprobs]
+        results.append(got)
+        if overlapped:
+            assert engine.overlap.waited_steps == 0 and engine.overlap.overlapped_steps > 24
+    sync, overlapped = results
+    assert overlapped == sync
+    assert [len(top) for _, _, top in sync["lp"]["lps"]] == [5] * 24
+    assert [top for _, _, top in sync["lp0"]["lps"]] == [[]] * 24
+    assert all(token == top[0][0] and value == top[0][1] for token, value, top in sync["lp"]["lps"])  # greedy
+    prompt = sync["prompt"]["prompt"]
+    assert prompt[0] is None and len(prompt) > 24  # chunks of 24 tokens: scored across several steps
+    assert all(len(top) == 3 and top[0][1] >= value for _, value, top in prompt[1:])
+    assert sync["plain"]["lps"] == [] and sync["plain"]["prompt"] is None
+
+
 def test_a_grammar_still_waits_for_the_tokens():
     engine = make_engine(BUNDLED_MODEL, async_scheduling=True)
     _collect(engine, {"g": (PROMPTS[3], SamplingParams(max_tokens=20, temperature=1.0, seed=2, structured=GuidedSpec(
