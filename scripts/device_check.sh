@@ -24,6 +24,7 @@ case "${1:-1}" in
     # piecewise graphs, the CUDA IPC plane end to end).
     timeout 170 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_model_runner.py \
         tests/engine/test_async_scheduling.py::test_async_scheduling_on_cuda_graphs_gives_the_synchronous_outputs \
+        "tests/engine/test_async_scheduling.py::test_logprobs_and_prompt_logprobs_overlap_and_match_the_synchronous_ones[cuda]" \
         tests/engine/test_flash_prefill.py tests/engine/test_piecewise_graphs.py tests/workers/test_pd_cuda_ipc.py \
         2>&1 | tee "$OUT/pytest.log"
     timeout 400 python3 benchmarks/gpu_engine.py --no-hf --only parity,step,throughput,fp8,kernels 2>&1 \

@@ -133,9 +133,13 @@ def test_penalised_sequences_overlap_and_count_the_token_in_flight(name):
         assert len(set(ids)) > len(set(plain))
 
 
-def test_logprobs_and_prompt_logprobs_overlap_and_match_the_synchronous_ones():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_logprobs_and_prompt_logprobs_overlap_and_match_the_synchronous_ones(device):
     """Logprobs (chosen and top-k) and prompt logprobs are computed on the device at launch and come
-    back with the tokens: no step waits for them, and every value is the synchronous engine's."""
+    back with the tokens: no step waits for them, and every value is the synchronous engine's. On
+    CUDA the copies are non-blocking into pinned memory, read after the step's event."""
+    cuda = {"device": "cuda", "kv_cache_memory": 64 * 2**20, "max_num_seqs": 16} if device == "cuda" else {}
     requests = {
         "lp": (PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0, logprobs=5, ignore_eos=True)),
         "lp0": (PROMPTS[1], SamplingParams(max_tokens=24, temperature=0.9, seed=3, logprobs=0, ignore_eos=True)),
@@ -144,7 +148,7 @@ def test_logprobs_and_prompt_logprobs_overlap_and_match_the_synchronous_ones():
     }
     results = []
     for overlapped in (False, True):
-        engine = make_engine(BUNDLED_MODEL, async_scheduling=overlapped, max_num_batched_tokens=24)
+        engine = make_engine(BUNDLED_MODEL, async_scheduling=overlapped, max_num_batched_tokens=24, **cuda)
         for rid, (prompt, params) in requests.items():
             engine.add_request(prompt, params, rid)
         got: dict[str, dict] = {}
