@@ -151,7 +151,7 @@ class EngineArgs:
             "--piecewise-cuda-graphs",
             action="store_true",
             help="CUDA: steps with prefill replay CUDA graphs of each layer's parts around attention (per "
-            "token bucket up to --max-num-batched-tokens) instead of running eagerly; one model process, no MoE",
+            "token bucket up to --max-num-batched-tokens) instead of running eagerly; one model process (no TP/PP)",
         )
         parser.add_argument(
             "--async-scheduling",

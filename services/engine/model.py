@@ -99,8 +99,24 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Runs the step, writing new K/V into kv_cache; returns fp32 logits [S, vocab]."""
+        self.begin_step(batch.slot_mapping)
         hidden, residual = self.run_layers(batch, kv_cache, self.embed(batch.input_ids), None)
-        return self.compute_logits(batch, hidden, residual)
+        logits = self.compute_logits(batch, hidden, residual)
+        self.end_step()
+        return logits
+
+    # Per-step state kept on the device (MoE: expert load counters, kvrelay.engine.moe_layer). CUDA
+    # graphs capture what these launch, so they must only launch device ops on fixed buffers.
+    counts_rows = False  # mark_rows does something: piecewise graphs call it inside each segment
+
+    def begin_step(self, slot_mapping: torch.Tensor) -> None:
+        """Before the layers. slot_mapping: the step's rows; padding rows of graphs have slot -1."""
+
+    def mark_rows(self, slot_mapping: torch.Tensor) -> None:
+        """Which rows are real tokens, for per-token statistics in the layers (begin_step does it too)."""
+
+    def end_step(self) -> None:
+        """After the layers."""
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size > 1:

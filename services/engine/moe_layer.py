@@ -61,13 +61,23 @@ class MoEDecoderModel(DecoderModel):
         self.step_tokens = torch.zeros((len(self.sparse_index), moe.num_experts), dtype=torch.int64, device=device)
         self.total_tokens = torch.zeros_like(self.step_tokens)
         self.steps = torch.zeros((), dtype=torch.int64, device=device)
+        # bool [T]: the step's real rows (a graph's padding rows route too, but are not counted);
+        # None: every row (a pipeline stage runs its layers without begin_step).
+        self.real_rows: torch.Tensor | None = None
 
-    def forward(self, batch, kv_cache: torch.Tensor) -> torch.Tensor:
+    counts_rows = True
+
+    def begin_step(self, slot_mapping: torch.Tensor) -> None:
         self.step_tokens.zero_()
         self.steps += 1  # a device tensor: counts graph replays too
-        logits = super().forward(batch, kv_cache)
+        self.mark_rows(slot_mapping)
+
+    def mark_rows(self, slot_mapping: torch.Tensor) -> None:
+        self.real_rows = slot_mapping >= 0
+
+    def end_step(self) -> None:
         self.total_tokens += self.step_tokens
-        return logits
+        self.real_rows = None
 
     def mlp(self, layer_idx: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         m = lw.moe
@@ -76,7 +86,8 @@ class MoEDecoderModel(DecoderModel):
         cfg = self.config.moe
         weights, ids = route(x, m.router, cfg.top_k, cfg.norm_topk_prob)
         row = self.step_tokens[self.sparse_index[layer_idx]]
-        row.scatter_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
+        ones = torch.ones_like(ids) if self.real_rows is None else self.real_rows[:, None].expand_as(ids).long()
+        row.scatter_add_(0, ids.reshape(-1), ones.reshape(-1))
         local_ids = ids - m.expert_start if m.expert_start else ids  # other ranks' experts fall outside
         out = self.ops.fused_moe(x, m.w13, m.w2, weights, local_ids, m.w13_scale, m.w2_scale)
         out = ep_all_reduce(out)

@@ -9,6 +9,7 @@ import torch
 from helpers import PROMPTS, greedy, make_engine, run_engine
 from kvrelay.engine.runner.piecewise_graphs import PiecewiseGraphs, token_buckets
 from kvrelay.engine.sampling_params import SamplingParams
+from tiny_models import save_tiny_model
 
 from kvrelay.models import BUNDLED_MODEL
 
@@ -56,6 +57,21 @@ def test_steps_past_the_largest_bucket_run_eagerly():
     assert pw.steps == 2  # the two decodes that follow the prefill; the prefill itself ran eagerly
 
 
+def test_moe_segments_give_the_eager_tokens_and_count_no_padding_row(tmp_path):
+    """MoE layers run inside the segments; the padding rows route like any row but the expert load
+    counts the real tokens only (the mask follows the slots inside each segment)."""
+    model = save_tiny_model(tmp_path / "qwen2_moe", "qwen2_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    plain = make_engine(model, device="cpu", max_num_batched_tokens=24)
+    pieces = make_engine(model, device="cpu", max_num_batched_tokens=24)
+    pw = _with_segments(pieces, [16, 32, 64])
+    reqs = {f"g{i}": (p, greedy(6)) for i, p in enumerate(PROMPTS[:4])}
+    assert run_engine(pieces, reqs) == run_engine(plain, reqs)
+    assert pw.steps > 0
+    want, got = plain.model.expert_load(), pieces.model.expert_load()
+    assert sum(want.total) > 0 and got.total == want.total and got.steps == want.steps
+    assert pieces.model.real_rows is None
+
+
 def test_token_buckets():
     assert token_buckets(2048) == [256, 512, 1024, 2048]
     assert token_buckets(3000) == [256, 512, 1024, 2048, 4096]
@@ -80,3 +96,18 @@ def test_captured_graphs_give_the_eager_tokens(budget):  # pragma: no cover - CU
     assert graphs.runner.piecewise.steps > 0
     with pytest.raises(ValueError, match="contradicts --enforce-eager"):
         make_engine(BUNDLED_MODEL, enforce_eager=True, piecewise_cuda_graphs=True, **kw)
+
+
+@cuda
+def test_captured_moe_graphs_give_the_eager_tokens_and_expert_load(tmp_path):  # pragma: no cover - CUDA only
+    """Decode and piecewise graphs of an MoE model: the eager tokens, and the eager expert load (the
+    mask of real rows is recomputed inside each replay, so padding rows are never counted)."""
+    model = save_tiny_model(tmp_path / "qwen2_moe", "qwen2_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    kw = {"device": "cuda", "kv_cache_memory": 64 * 2**20, "max_num_batched_tokens": 24}
+    eager = make_engine(model, enforce_eager=True, **kw)
+    graphs = make_engine(model, piecewise_cuda_graphs=True, **kw)
+    reqs = {f"g{i}": (p, greedy(6)) for i, p in enumerate(PROMPTS[:4])}
+    assert run_engine(graphs, reqs) == run_engine(eager, reqs)
+    assert graphs.runner.piecewise.steps > 0 and graphs.runner.graph_steps > 0
+    want, got = eager.model.expert_load(), graphs.model.expert_load()
+    assert got.total == want.total and got.steps == want.steps

@@ -44,8 +44,8 @@ def check_piecewise(device: torch.device, enforce_eager: bool, backend: str, mod
         why = f"needs the triton kernel backend, not {backend!r}"
     elif not isinstance(model, DecoderModel):
         why = "needs the model in this process (no tensor or pipeline parallelism)"
-    elif type(model).forward is not DecoderModel.forward:
-        why = f"is not for {type(model).__name__} (its forward keeps per-step state: MoE expert load)"
+    elif type(model).forward is not DecoderModel.forward:  # the segments would skip what it adds
+        why = f"is not for {type(model).__name__} (it overrides the model's forward)"
     if why is not None:
         raise ValueError(f"--piecewise-cuda-graphs {why}")
 
@@ -89,6 +89,8 @@ class PiecewiseGraphs:
             if index == 0:
                 hidden, residual = m.embed(self.ids[:n]), None
             else:
+                if m.counts_rows:  # inside the capture: the mask follows the slots of each replay
+                    m.mark_rows(self.slots[:n])
                 hidden, residual = m.layer_output(index - 1, self.attn[:n], self.residual[:n])
             if index == self.num_layers:
                 self.hidden[:n].copy_(hidden)
@@ -125,6 +127,7 @@ class PiecewiseGraphs:
                     count += 1
                 segments.append(run)
             self.segments[size] = segments
+        self.model.end_step()  # no state of the last segment's run outlives the capture
         self.sizes = sorted(self.segments)
         used = 0
         if cuda:
@@ -153,6 +156,7 @@ class PiecewiseGraphs:
             self.positions[n:size].zero_()
             self.slots[n:size].fill_(-1)
         segments = self.segments[size]
+        m.begin_step(self.slots[:size])
         for layer_idx in range(self.num_layers):
             segments[layer_idx]()
             if m.layer_hook is not None:
@@ -160,6 +164,7 @@ class PiecewiseGraphs:
             attn = m.layer_attention(layer_idx, self.q[:n], self.k[:n], self.v[:n], batch, self.kv_cache)
             self.attn[:n].copy_(attn)
         segments[-1]()
+        m.end_step()
         self.steps += 1
         return self.hidden[:n], self.residual[:n]
 
