@@ -43,6 +43,12 @@ def device_checksum(t: torch.Tensor) -> int:
     """A 64-bit checksum of a contiguous tensor's bytes, computed where the tensor lives (no copy
     to the host): sum over its 32-bit words of word * w(i) mod 2**64, with an odd weight w(i)
     mixed from the word's index. Any single flipped bit changes it, and so does moving a word."""
+    return int(device_checksum_tensor(t).item()) & _MASK
+
+
+def device_checksum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """device_checksum as an int64 scalar on t's device, launched on the current stream without
+    waiting for it (the prefill worker's copy stream reads it back with the chunk)."""
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
     if raw.numel() % 4:
         raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
@@ -53,7 +59,7 @@ def device_checksum(t: torch.Tensor) -> int:
         idx = torch.arange(lo, lo + w.numel(), dtype=torch.int64, device=t.device)
         weight = ((idx * _K1) ^ ((idx * _K2) >> 29)) | 1  # int64 products wrap, alike on CPU and GPU
         acc += (w * weight).sum()
-    return int(acc.item()) & _MASK
+    return acc
 
 
 class IpcChunk(DirectChunk):
@@ -107,13 +113,16 @@ class CudaIpcExport:
             return "other_node"
         return None
 
-    def chunk(self, header: kv_pb2.KVChunk, gathered: Payload, source_ids: list[int]) -> kv_pb2.PrefillServerMessage:
+    def chunk(self, header: kv_pb2.KVChunk, gathered: Payload, source_ids: list[int],
+              checksum: int | None = None) -> kv_pb2.PrefillServerMessage:
         """The chunk message: the held blocks to copy and the checksum of their bytes (gathered:
-        the chunk as gather_blocks packs it, still on the GPU)."""
-        if not isinstance(gathered, torch.Tensor):  # a CPU cache's block views (tests drive the plane on CPU)
-            gathered = torch.from_numpy(np.concatenate([a.reshape(-1) for a in payload_arrays(gathered)]))
+        the chunk as gather_blocks packs it; checksum: already computed on the GPU's copy stream)."""
+        if checksum is None:
+            if not isinstance(gathered, torch.Tensor):  # a CPU cache's block views (tests drive the plane on CPU)
+                gathered = torch.from_numpy(np.concatenate([a.reshape(-1) for a in payload_arrays(gathered)]))
+            checksum = device_checksum(gathered)
         header.source_block_ids.extend(source_ids)
-        header.device_checksum = device_checksum(gathered)
+        header.device_checksum = checksum
         return kv_pb2.PrefillServerMessage(chunk=header)
 
 

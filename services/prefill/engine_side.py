@@ -19,6 +19,7 @@ from kvrelay.kvtransfer.chunk_wire import (
     place_chunk,
 )
 from kvrelay.kvtransfer.layout import ChunkRange, chunk_header, plan_chunks
+from kvrelay.prefill.copy_stream import CopyStream
 from kvrelay.prefill.handoff import Handoff
 from kvrelay.v1 import kv_pb2
 
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 class EngineThreadSide:
     """Needs from the worker: llm, layout, group, options, _lock, _streaming, _final, _ringing,
     _by_ticket, _source_msg, and _done_message (HandoffSender)."""
+
+    _copy_stream: CopyStream | None = None  # made at the first gather from a GPU cache
 
     def _gather(self, h: Handoff, block_table: list[int], lo: int, hi: int) -> list[tuple[ChunkRange, Payload]]:
         ranges = plan_chunks(self.layout, lo, hi, h.num_blocks, h.max_message_bytes, h.first_block)
@@ -41,12 +44,16 @@ class EngineThreadSide:
             cache = self.llm.kv_cache
             out = [(r, payload_pieces(cache, block_table[r.block_start:r.block_end], r.layer_start, r.layer_end))
                    for r in ranges]
-        else:
+        elif h.doorbell is None:  # a GPU cache: gathered on the copy stream, the engine thread goes on
+            if self._copy_stream is None:
+                self._copy_stream = CopyStream(self.llm.device)
+            # CUDA IPC: the checksum runs on the GPU, the bytes never leave it.
+            out = self._copy_stream.gather(self.llm.ops, self.llm.kv_cache, block_table, ranges,
+                                           checksum=h.cuda_ipc is not None)
+        else:  # the doorbell rings from this thread with bytes in hand
             ids = torch.tensor(block_table, dtype=torch.long, device=self.llm.device)
             out = [(r, self.llm.ops.gather_blocks(self.llm.kv_cache, ids[r.block_start:r.block_end], r.layer_start,
-                                                  r.layer_end)) for r in ranges]
-            if h.cuda_ipc is None:  # CUDA IPC: the checksum runs on the GPU, the bytes never leave it
-                out = [(r, t.cpu()) for r, t in out]
+                                                  r.layer_end).cpu()) for r in ranges]
         h.sent_layers = hi
         h.block_table = block_table
         return out

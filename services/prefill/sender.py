@@ -14,6 +14,7 @@ from kvrelay.kvtransfer.chunk_wire import encode_chunk_message, payload_size, pl
 from kvrelay.kvtransfer.convert import add_prompt_logprobs, logprob_to_proto
 from kvrelay.kvtransfer.layout import chunk_header
 from kvrelay.kvtransfer.status import abort_with
+from kvrelay.prefill.copy_stream import PendingChunk
 from kvrelay.prefill.handoff import Handoff, PipelinedWriter
 from kvrelay.v1 import kv_pb2
 
@@ -36,12 +37,16 @@ class HandoffSender:
                         await out.flush()
                         return await self._handle_event(h, h.interrupt, context)
                     _, r, t = ev
+                    checksum = None
+                    if isinstance(t, PendingChunk):  # gathered on the GPU's copy stream
+                        await t.wait()
+                        t, checksum = t.payload, (t.checksum_value() if t.checksum is not None else None)
                     if h.send_started_at is None:
                         h.send_started_at = time.monotonic()
                     header = chunk_header(self._layout_msg, r, h.lease.num_tokens)
                     size = payload_size(t)
                     if h.cuda_ipc is not None:  # the decode worker copies the held blocks itself
-                        msg = self.cuda_ipc.chunk(header, t, h.block_table[r.block_start:r.block_end])
+                        msg = self.cuda_ipc.chunk(header, t, h.block_table[r.block_start:r.block_end], checksum)
                     elif h.remote is not None:
                         try:  # the bytes land in the decode worker's region before the header goes
                             msg = await asyncio.to_thread(h.remote.place, header, t)

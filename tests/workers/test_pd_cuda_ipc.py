@@ -198,12 +198,43 @@ async def test_cuda_ipc_chunk_whose_bytes_differ_is_caught_and_falls_back(monkey
         await stop_pair(pair)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("corrupt", [False, True], ids=["parity", "corrupted_copy"])
-async def test_cuda_ipc_on_gpu_equals_single_process(corrupt):
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("checksum", [False, True], ids=["to_host", "checksum"])
+def test_copy_stream_gathers_after_the_queued_writes_without_waiting_for_them(checksum):  # pragma: no cover
+    """The prefill worker's copy stream: its gathers see every K/V write queued before them on the
+    compute stream, yet the call returns while that compute still runs (the engine thread goes on)."""
+    from kvrelay.kernels import reference
+    from kvrelay.prefill.copy_stream import CopyStream
+
+    ops = SimpleNamespace(gather_blocks=reference.gather_blocks)
+    cache = _cache().cuda()
+    table = [1, 4, 7]
+    ranges = [ChunkRange(0, 2, 0, 2), ChunkRange(2, 3, 0, 3)]
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued on the compute stream
+    cache[:, :, 4] += 1.0  # a K/V write queued behind it
+    chunks = CopyStream(cache.device).gather(ops, cache, table, ranges, checksum=checksum)
+    assert not any(c.done.query() for _, c in chunks)  # returned without waiting for the compute
+    torch.cuda.synchronize()
+    ids = torch.tensor(table, device="cuda")
+    for r, c in chunks:
+        want = reference.gather_blocks(cache, ids[r.block_start:r.block_end], r.layer_start, r.layer_end)
+        if checksum:
+            assert c.checksum_value() == device_checksum(want) and c.payload.is_cuda
+        else:
+            assert c.payload.is_pinned() and torch.equal(c.payload, want.cpu())
+
+
+@cuda
+@pytest.mark.parametrize("plane,corrupt", [("cuda-ipc", False), ("cuda-ipc", True), ("grpc", False)],
+                         ids=["parity", "corrupted_copy", "inline_grpc"])
+async def test_cuda_ipc_on_gpu_equals_single_process(plane, corrupt):
     """Both workers in this process on one GPU (the handle opens as the exported tensor): greedy
     and seeded with layer streaming, then a prefix hit; with the copy's source changed, every
-    hand-off is caught and prefilled locally, with the same answers."""
+    hand-off is caught and prefilled locally, with the same answers. inline_grpc: the K/V of a GPU
+    cache through pinned host memory from the copy stream, on gRPC."""
     from kvrelay.decode.worker import DecodeWorker
     from kvrelay.kvtransfer.client import DecodeClient
     from kvrelay.prefill.worker import PrefillWorker
@@ -212,7 +243,7 @@ async def test_cuda_ipc_on_gpu_equals_single_process(corrupt):
     popts = WorkerOptions(stream_min_tokens=0, layer_group_size=2)
     args = {"device": "cuda", "num_kv_blocks": 96}
     p = PrefillWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), popts)
-    d = DecodeWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), WorkerOptions(kv_transport="cuda-ipc"))
+    d = DecodeWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), WorkerOptions(kv_transport=None if plane == "grpc" else plane))
     pp, dp = await p.start(), await d.start()
     if corrupt:
         def changed(msg, dtype):
@@ -230,9 +261,11 @@ async def test_cuda_ipc_on_gpu_equals_single_process(corrupt):
             got = await _tokens(client.generate(prompt, params, prefill_addr=f"127.0.0.1:{pp}"))
             assert got == await _tokens(ref.generate(prompt, params))
         failures = d.metrics.failures.labels("ChunkError")._value.get()
-        moved = d.metrics.kv_plane_bytes.labels("cuda-ipc")._value.get()
+        moved = d.metrics.kv_plane_bytes.labels(plane)._value.get()
         if corrupt:
             assert failures == len(runs) == d.metrics.fallbacks.labels("local")._value.get()
+        elif plane == "grpc":
+            assert failures == 0 and moved > 0 and d.metrics.fallbacks.labels("local")._value.get() == 0
         else:
             assert failures == 0 and moved > 0 and p.metrics.plane_handoffs.labels("cuda-ipc")._value.get() == 3
         await assert_all_free(p.engine, d.engine)
