@@ -66,8 +66,16 @@ def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="kvrelay", description="Kubernetes-native LLM inference")
     parser.add_argument("--version", action="version", version=f"kvrelay {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    # Only the command asked for is imported (the top-level parser has no option that takes a
+    # value, so the first word is the command): a worker starts without the gateway's web stack,
+    # and on images that lack it. `kvrelay --help` and unknown commands import them all.
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    chosen = words[0] if words and words[0] in COMMANDS else None
     modules = {}
     for name, (module_name, help_text) in COMMANDS.items():
+        if chosen is not None and name != chosen:
+            sub.add_parser(name, help=help_text)
+            continue
         module = importlib.import_module(module_name)
         modules[name] = module
         module.add_arguments(command := sub.add_parser(name, help=help_text, description=help_text))

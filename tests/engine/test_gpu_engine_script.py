@@ -93,3 +93,34 @@ def test_package_map_imports_kvrelay_here_and_in_child_processes_without_pip(tmp
     assert Path(engine_file).resolve() == ROOT / "services" / "engine" / "llm_engine.py"
     assert Path(kernels_file).resolve() == ROOT / "kernels" / "ops" / "registry.py"
     assert (spawned, child) == ("spawned", "subprocess")
+
+
+def test_workers_start_from_the_command_line_without_the_gateways_packages(tmp_path):
+    """The device checks spawn `kvrelay prefill|decode` processes on the bare GPU machine: the CLI
+    imports only the command asked for, so a worker needs no web stack, Redis or Kubernetes client."""
+    import os
+    import re
+    import time
+
+    python = _bare_python(tmp_path)
+    tree = subprocess.run([python, str(ROOT / "benchmarks" / "package_map.py")], capture_output=True, text=True,
+                          check=True, timeout=120).stdout.strip()
+    env = dict(os.environ, PYTHONPATH=tree, PYTHONUNBUFFERED="1")
+    for role in ("prefill", "decode"):
+        proc = subprocess.Popen([python, "-m", "kvrelay.cli", role, "--host", "127.0.0.1", "--port", "0",
+                                 "--num-kv-blocks", "32"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=tmp_path)
+        lines = []
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                lines.append(line)
+                if re.search(rf"kvrelay {role} listening on", line):
+                    break
+            assert any(f"kvrelay {role} listening on" in x for x in lines), "".join(lines)
+        finally:
+            proc.kill()
+            proc.wait(30)

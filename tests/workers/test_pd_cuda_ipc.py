@@ -6,6 +6,7 @@ single process."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from types import SimpleNamespace
 
@@ -15,14 +16,25 @@ from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer import cuda_ipc
+from kvrelay.kvtransfer.client import DecodeClient
 from kvrelay.kvtransfer.cuda_ipc import CudaIpcExport, CudaIpcSources, IpcChunk, device_checksum
 from kvrelay.kvtransfer.errors import ChunkError
 from kvrelay.kvtransfer.layout import ChunkRange, ChunkVerifier, KVLayout, chunk_header
 from kvrelay.kvtransfer.metrics import WorkerMetrics
 from kvrelay.kvtransfer.worker_base import WorkerOptions
 from kvrelay.v1 import kv_pb2
-from pd_helpers import assert_all_free, reference_tokens, start_pair, stop_pair
-from test_pd_failures import PROMPT, _tokens
+from pd_helpers import (
+    BUNDLED_MODEL,
+    assert_all_free,
+    assert_worker_free,
+    free_port,
+    metric_value,
+    reference_tokens,
+    scrape,
+    start_pair,
+    stop_pair,
+)
+from test_pd_failures import PROMPT, SLOW_PREFILL, _handoff_started, _tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -236,14 +248,13 @@ async def test_cuda_ipc_on_gpu_equals_single_process(plane, corrupt):
     hand-off is caught and prefilled locally, with the same answers. inline_grpc: the K/V of a GPU
     cache through pinned host memory from the copy stream, on gRPC."""
     from kvrelay.decode.worker import DecodeWorker
-    from kvrelay.kvtransfer.client import DecodeClient
     from kvrelay.prefill.worker import PrefillWorker
-    from pd_helpers import BUNDLED_MODEL
 
     popts = WorkerOptions(stream_min_tokens=0, layer_group_size=2)
     args = {"device": "cuda", "num_kv_blocks": 96}
     p = PrefillWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), popts)
-    d = DecodeWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), WorkerOptions(kv_transport=None if plane == "grpc" else plane))
+    dopts = WorkerOptions(kv_transport=None if plane == "grpc" else plane)
+    d = DecodeWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), dopts)
     pp, dp = await p.start(), await d.start()
     if corrupt:
         def changed(msg, dtype):
@@ -274,6 +285,31 @@ async def test_cuda_ipc_on_gpu_equals_single_process(plane, corrupt):
         await p.stop(0)
         await d.stop(0)
         await ref.shutdown()
+
+
+@cuda
+async def test_prefill_killed_mid_cuda_ipc_copy_frees_every_block(spawn):  # pragma: no cover - CUDA only
+    """Two worker processes on the GPU, the real IPC handle between them: kill -9 of the prefill
+    worker mid-hand-off, and the decode worker frees its reservation and prefills locally with the
+    answer a single CUDA process gives."""
+    victim = spawn("prefill", *SLOW_PREFILL, "--device", "cuda")
+    mport = free_port()
+    decode = spawn("decode", "--max-message-bytes", "16KiB", "--metrics-port", str(mport), "--device", "cuda",
+                   "--kv-transport", "cuda-ipc")
+    ref = AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), device="cuda", num_kv_blocks=96))
+    await ref.start()
+    try:
+        want = await _tokens(ref.generate(PROMPT, GREEDY))
+    finally:
+        await ref.shutdown()
+    async with DecodeClient(decode.addr) as client:
+        task = asyncio.create_task(_tokens(client.generate(PROMPT, GREEDY, "kill-ipc", prefill_addr=victim.addr)))
+        await _handoff_started(victim.addr)
+        victim.kill()
+        assert await asyncio.wait_for(task, 60) == want
+    page = scrape(mport)
+    assert metric_value(page, "kvrelay:kv_transfer_fallbacks_total", 'kind="local"') == 1
+    await assert_worker_free(decode.addr)
 
 
 def test_a_cache_exported_by_this_process_opens_as_itself(monkeypatch):
