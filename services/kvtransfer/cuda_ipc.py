@@ -53,10 +53,19 @@ def device_checksum_tensor(t: torch.Tensor) -> torch.Tensor:
     if raw.numel() % 4:
         raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
     words = raw.view(torch.int32)
-    acc = torch.zeros((), dtype=torch.int64, device=t.device)
+    if words.is_cuda:  # one pass in Triton (kvrelay.kernels.triton_checksum), the same number
+        from kvrelay.kernels.triton_checksum import checksum
+
+        return checksum(words, _K1, _K2)
+    return _torch_checksum(words)
+
+
+def _torch_checksum(words: torch.Tensor) -> torch.Tensor:
+    """The definition, in torch ops over int64 temporaries (the CPU path, and the GPU kernel's reference)."""
+    acc = torch.zeros((), dtype=torch.int64, device=words.device)
     for lo in range(0, words.numel(), _SLICE):
         w = words[lo:lo + _SLICE].to(torch.int64) & 0xFFFFFFFF
-        idx = torch.arange(lo, lo + w.numel(), dtype=torch.int64, device=t.device)
+        idx = torch.arange(lo, lo + w.numel(), dtype=torch.int64, device=words.device)
         weight = ((idx * _K1) ^ ((idx * _K2) >> 29)) | 1  # int64 products wrap, alike on CPU and GPU
         acc += (w * weight).sum()
     return acc

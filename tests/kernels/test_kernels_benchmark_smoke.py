@@ -21,7 +21,7 @@ def test_benchmark_script_cpu_smoke_runs_every_kernel_correctly():
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     for kernel in ("decode_attention", "prefill_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
-                   "rotary_embedding", "write_kv", "rotary_and_write_kv", "gather_blocks", "scatter_blocks", "quantize_int8",
+                   "rotary_embedding", "write_kv", "rotary_and_write_kv", "gather_blocks", "scatter_blocks", "kv_checksum", "quantize_int8",
                    "int8_matmul", "fused_moe", "fused_moe_fp8"):
         assert any(line.startswith(kernel + " ") and line.endswith(" yes") for line in lines), kernel
     assert any(line.startswith("decode_attention[stages=5]") for line in lines)
