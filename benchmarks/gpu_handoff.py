@@ -56,15 +56,18 @@ async def _run(rep, model_dir: Path, vocab: int, device: str, smoke: bool, engin
             times: dict[str, list[float]] = {"unified": [], "grpc": [], "cuda-ipc": []}
             answers: dict[str, list[list[int]]] = {k: [] for k in times}
             moved: dict[str, tuple[float, float]] = {}
+            computed: dict[str, float] = {}  # the prefill worker's queue + compute, summed over the runs
             for i in range(repeats + 1):  # the first round warms kernels and connections
                 p = [rng.randrange(3, vocab) for _ in range(n)]  # a fresh prompt: no prefix-cache hit
                 for mode, client in clients.items():
                     d = decodes[mode]
                     before = (d.metrics.kv_bytes._value.get(), d.metrics.kv_seconds._sum.get())
+                    compute_before = prefill.metrics.ttft._sum.get()
                     t, tokens = await _ttft(client, p, None if mode == "unified" else paddr)
                     if i:
                         times[mode].append(t)
                         answers[mode].append(tokens)
+                        computed[mode] = computed.get(mode, 0.0) + prefill.metrics.ttft._sum.get() - compute_before
                         b, s = moved.get(mode, (0.0, 0.0))
                         moved[mode] = (b + d.metrics.kv_bytes._value.get() - before[0],
                                        s + d.metrics.kv_seconds._sum.get() - before[1])
@@ -73,11 +76,21 @@ async def _run(rep, model_dir: Path, vocab: int, device: str, smoke: bool, engin
             for mode in ("grpc", "cuda-ipc"):
                 nbytes, seconds = moved[mode]
                 speed = nbytes / seconds / 1e9 if seconds else 0.0
+                # Where the TTFT goes, per hand-off on average: the prefill worker's queue + compute, the
+                # decode side's transfer (first chunk to last written; it overlaps the compute when layers
+                # stream), and the rest of the mean TTFT beyond the compute (control path and hops).
+                runs = len(times[mode])
+                compute_ms, transfer_ms = computed[mode] / runs * 1e3, seconds / runs * 1e3
+                beyond_ms = statistics.mean(times[mode]) * 1e3 - compute_ms
                 rep.add(f"handoff_{mode}_{n}", {"ttft_ms": med[mode] * 1e3, "unified_ms": med["unified"] * 1e3,
-                                                 "gb_s": speed, "bytes": nbytes / repeats, "identical": same},
+                                                 "gb_s": speed, "bytes": nbytes / repeats, "identical": same,
+                                                 "prefill_compute_ms": compute_ms, "transfer_ms": transfer_ms,
+                                                 "beyond_compute_ms": beyond_ms},
                         f"hand-off {n} tokens over {mode}: TTFT {med[mode] * 1e3:.1f} ms vs unified "
                         f"{med['unified'] * 1e3:.1f} ms ({(med[mode] / med['unified'] - 1) * 100:+.0f}%), "
-                        f"{nbytes / repeats / 1e6:.2f} MB at {speed:.2f} GB/s, identical: {same}")
+                        f"{nbytes / repeats / 1e6:.2f} MB at {speed:.2f} GB/s, identical: {same}; per hand-off: "
+                        f"prefill compute {compute_ms:.1f} ms, transfer {transfer_ms:.2f} ms, TTFT beyond the "
+                        f"compute {beyond_ms:.1f} ms")
         ipc = decodes["cuda-ipc"].transport.cuda_ipc
         failures = {m: sum(s.value for metric in d.metrics.failures.collect() for s in metric.samples
                            if s.name.endswith("_total")) for m, d in decodes.items()}
