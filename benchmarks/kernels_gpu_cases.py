@@ -157,17 +157,17 @@ def bench_blocks(b: Bench, ops, ref, layers, num_blocks, moved, kv_heads, head_d
     # The CUDA IPC plane's checksum of a gathered chunk (both sides compute it per hand-off chunk):
     # the Triton pass against the torch version, bit for bit.
     from kvrelay.kernels.triton_checksum import checksum
-    from kvrelay.kvtransfer.cuda_ipc import _K1, _K2, _torch_checksum
+    from kvrelay.kvtransfer.cuda_ipc import K1, K2, torch_checksum
 
     words = packed.reshape(-1).view(torch.int32)
     b.add(
         "kv_checksum",
         shape,
-        lambda: checksum(words, _K1, _K2),
-        lambda: _torch_checksum(words),
+        lambda: checksum(words, K1, K2),
+        lambda: torch_checksum(words),
         "torch int64",
-        _torch_checksum(words),
-        checksum(words, _K1, _K2),
+        torch_checksum(words),
+        checksum(words, K1, K2),
         nbytes=nbytes // 2,
         atol=0,
         rtol=0,

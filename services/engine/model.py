@@ -107,13 +107,12 @@ class DecoderModel:
 
     # Per-step state kept on the device (MoE: expert load counters, kvrelay.engine.moe_layer). CUDA
     # graphs capture what these launch, so they must only launch device ops on fixed buffers.
-    counts_rows = False  # mark_rows does something: piecewise graphs call it inside each segment
-
     def begin_step(self, slot_mapping: torch.Tensor) -> None:
         """Before the layers. slot_mapping: the step's rows; padding rows of graphs have slot -1."""
 
     def mark_rows(self, slot_mapping: torch.Tensor) -> None:
-        """Which rows are real tokens, for per-token statistics in the layers (begin_step does it too)."""
+        """Which rows are real tokens, for per-token statistics in the layers (begin_step does it too;
+        piecewise graphs call it inside each segment)."""
 
     def end_step(self) -> None:
         """After the layers."""

@@ -65,8 +65,6 @@ class MoEDecoderModel(DecoderModel):
         # None: every row (a pipeline stage runs its layers without begin_step).
         self.real_rows: torch.Tensor | None = None
 
-    counts_rows = True
-
     def begin_step(self, slot_mapping: torch.Tensor) -> None:
         self.step_tokens.zero_()
         self.steps += 1  # a device tensor: counts graph replays too

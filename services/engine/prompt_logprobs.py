@@ -35,11 +35,8 @@ class PromptScores:
     spans: list[_Span]
 
     def to_host(self, blocking: bool = True) -> PromptScores:
-        def copy(t):
-            return None if t is None else to_host(t, blocking)
-
-        return PromptScores([_Span(s.index, s.pos, s.targets, copy(s.chosen), copy(s.top_vals), copy(s.top_idx))
-                             for s in self.spans])
+        return PromptScores([_Span(s.index, s.pos, s.targets, to_host(s.chosen, blocking), to_host(s.top_vals, blocking),
+                                   to_host(s.top_idx, blocking)) for s in self.spans])
 
     def record(self, seqs: list) -> None:
         """Into each sequence's prompt_lps (a to_host copy; seqs: the step's sequences)."""

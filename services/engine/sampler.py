@@ -95,10 +95,11 @@ def _draw(probs: torch.Tensor, uniforms: list[float], wait_free: bool = False) -
     return torch.where(past_end, last_positive, picked)
 
 
-def to_host(t: torch.Tensor, blocking: bool = True) -> torch.Tensor:
-    """t on the host. blocking=False: a non-blocking copy into pinned memory that the caller orders
-    with an event before reading it, so the host waits for this copy, not for later launches."""
-    if t.device.type == "cpu":
+def to_host(t: torch.Tensor | None, blocking: bool = True) -> torch.Tensor | None:
+    """t on the host (None stays None). blocking=False: a non-blocking copy into pinned memory that
+    the caller orders with an event before reading it, so the host waits for this copy, not for
+    later launches."""
+    if t is None or t.device.type == "cpu":
         return t
     if blocking:
         return t.cpu()
@@ -123,11 +124,8 @@ class Sampled:
     top_idx: torch.Tensor | None = None
 
     def to_host(self, blocking: bool = True) -> Sampled:
-        def copy(t):
-            return None if t is None else to_host(t, blocking)
-
-        return Sampled(copy(self.tokens), self.want_logprobs, self.top_k, copy(self.chosen),
-                       copy(self.top_vals), copy(self.top_idx))
+        return Sampled(to_host(self.tokens, blocking), self.want_logprobs, self.top_k, to_host(self.chosen, blocking),
+                       to_host(self.top_vals, blocking), to_host(self.top_idx, blocking))
 
     def logprobs(self, token_list: list[int]) -> list[TokenLogprob | None]:
         """TokenLogprob (or None) per row, from a to_host copy whose tokens are token_list."""

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 PLANE = "cuda-ipc"
 _MASK = (1 << 64) - 1
-_K1, _K2 = 0x9E3779B97F4A7C15 - (1 << 64), 0xC2B2AE3D27D4EB4F - (1 << 64)  # as int64
+K1, K2 = 0x9E3779B97F4A7C15 - (1 << 64), 0xC2B2AE3D27D4EB4F - (1 << 64)  # the weights' constants, as int64
 _SLICE = 1 << 24  # words per reduction: bounds the temporaries at ~400 MB
 
 
@@ -43,7 +43,12 @@ def device_checksum(t: torch.Tensor) -> int:
     """A 64-bit checksum of a contiguous tensor's bytes, computed where the tensor lives (no copy
     to the host): sum over its 32-bit words of word * w(i) mod 2**64, with an odd weight w(i)
     mixed from the word's index. Any single flipped bit changes it, and so does moving a word."""
-    return int(device_checksum_tensor(t).item()) & _MASK
+    return checksum_int(device_checksum_tensor(t))
+
+
+def checksum_int(t: torch.Tensor) -> int:
+    """A checksum tensor (int64 scalar) as the unsigned number the wire carries."""
+    return int(t.item()) & _MASK
 
 
 def device_checksum_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -56,17 +61,17 @@ def device_checksum_tensor(t: torch.Tensor) -> torch.Tensor:
     if words.is_cuda:  # one pass in Triton (kvrelay.kernels.triton_checksum), the same number
         from kvrelay.kernels.triton_checksum import checksum
 
-        return checksum(words, _K1, _K2)
-    return _torch_checksum(words)
+        return checksum(words, K1, K2)
+    return torch_checksum(words)
 
 
-def _torch_checksum(words: torch.Tensor) -> torch.Tensor:
+def torch_checksum(words: torch.Tensor) -> torch.Tensor:
     """The definition, in torch ops over int64 temporaries (the CPU path, and the GPU kernel's reference)."""
     acc = torch.zeros((), dtype=torch.int64, device=words.device)
     for lo in range(0, words.numel(), _SLICE):
         w = words[lo:lo + _SLICE].to(torch.int64) & 0xFFFFFFFF
         idx = torch.arange(lo, lo + w.numel(), dtype=torch.int64, device=words.device)
-        weight = ((idx * _K1) ^ ((idx * _K2) >> 29)) | 1  # int64 products wrap, alike on CPU and GPU
+        weight = ((idx * K1) ^ ((idx * K2) >> 29)) | 1  # int64 products wrap, alike on CPU and GPU
         acc += (w * weight).sum()
     return acc
 

@@ -19,7 +19,7 @@ import asyncio
 from dataclasses import dataclass
 
 import torch
-from kvrelay.kvtransfer.cuda_ipc import device_checksum_tensor
+from kvrelay.kvtransfer.cuda_ipc import checksum_int, device_checksum_tensor
 
 
 @dataclass
@@ -35,8 +35,8 @@ class PendingChunk:
         if not self.done.query():  # the event loop stays free while the copy runs
             await asyncio.to_thread(self.done.synchronize)
 
-    def checksum_value(self) -> int:
-        return int(self.checksum.item()) & ((1 << 64) - 1)
+    def checksum_value(self) -> int | None:
+        return None if self.checksum is None else checksum_int(self.checksum)
 
 
 class CopyStream:

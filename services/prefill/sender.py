@@ -40,7 +40,7 @@ class HandoffSender:
                     checksum = None
                     if isinstance(t, PendingChunk):  # gathered on the GPU's copy stream
                         await t.wait()
-                        t, checksum = t.payload, (t.checksum_value() if t.checksum is not None else None)
+                        t, checksum = t.payload, t.checksum_value()
                     if h.send_started_at is None:
                         h.send_started_at = time.monotonic()
                     header = chunk_header(self._layout_msg, r, h.lease.num_tokens)

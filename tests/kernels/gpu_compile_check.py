@@ -57,9 +57,9 @@ def exercise(ops) -> None:
     """Call each op with shapes that select every code path the GPU will see."""
     from kvrelay.kernels.triton_checksum import checksum
     from kvrelay.kernels.triton_rotary_kv import rotary_and_write_kv
-    from kvrelay.kvtransfer.cuda_ipc import _K1, _K2
+    from kvrelay.kvtransfer.cuda_ipc import K1, K2
 
-    checksum(torch.zeros(5, dtype=torch.int32), _K1, _K2)
+    checksum(torch.zeros(5, dtype=torch.int32), K1, K2)
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for head_dim, heads, kv_heads in ((8, 8, 4), (64, 8, 2), (128, 32, 8)):

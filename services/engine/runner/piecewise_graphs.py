@@ -89,8 +89,7 @@ class PiecewiseGraphs:
             if index == 0:
                 hidden, residual = m.embed(self.ids[:n]), None
             else:
-                if m.counts_rows:  # inside the capture: the mask follows the slots of each replay
-                    m.mark_rows(self.slots[:n])
+                m.mark_rows(self.slots[:n])  # inside the capture: the mask follows each replay's slots
                 hidden, residual = m.layer_output(index - 1, self.attn[:n], self.residual[:n])
             if index == self.num_layers:
                 self.hidden[:n].copy_(hidden)
