@@ -372,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="parity,step,throughput,fp8,spec,handoff,moe,parallel,kernels")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline (~25 s on an H200)")
+    p.add_argument("--handoff-repeats", type=int, default=None,
+                   help="measured runs per hand-off row (default 3; 1 with --cpu-smoke)")
     args = p.parse_args(argv)
     smoke = args.cpu_smoke
     if smoke:
@@ -431,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                 run("fp8_engine", section_fp8_engine, rep, engine, model_dir, reqs, device)
             del engine
             if "handoff" in sections:  # before spec: issue 21's targets, if the time runs out
-                run("handoff", section_handoff, rep, model_dir, vocab, device, smoke, kw)
+                repeats = args.handoff_repeats or (1 if smoke else 3)
+                run("handoff", section_handoff, rep, model_dir, vocab, device, smoke, kw, repeats)
             if "spec" in sections:
                 spec_kw = {k: v for k, v in kw.items() if k != "max_num_seqs"}
                 run("spec", section_spec, rep, model_dir, vocab, device, smoke, spec_kw)

@@ -3,13 +3,20 @@
 one process, real gRPC between them. TTFT (client call to first token, warm kernels, median of
 --repeats) at 512, 2048 and 4000 prompt tokens: unified (the decode worker prefills itself), and
 disaggregated with the K/V inline on gRPC and over the CUDA IPC plane (kvrelay.kvtransfer.cuda_ipc),
+its control path on the doorbell socket (the default) and on the gRPC stream (`cuda-ipc-stream`),
 with the plane's transfer speed (decode side: first chunk received to last chunk checked) and
 whether every answer matches unified. Targets (issue 21): the CUDA IPC plane at 100 GB/s or more,
-and at most +10% over unified TTFT at 2048 and 4000 tokens."""
+and at most +10% over unified TTFT at 2048 and 4000 tokens.
+
+On CPU (--cpu-smoke) the plane cannot open, so the CUDA IPC workers are wired as the tests do it:
+the prefill worker answers as a GPU one would, and the decode worker opens the handle as the
+prefill worker's CPU cache. Everything but the device copy is then the real protocol, which
+makes the control path's CPU floor measurable here."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import random
 import statistics
@@ -44,16 +51,20 @@ async def _run(rep, model_dir: Path, vocab: int, device: str, smoke: bool, engin
     big = 64 * 2**20
     prefill = PrefillWorker(engine(), WorkerOptions(max_message_bytes=big))
     # The unified runs have a decode worker of their own: its prefix cache must not serve the others.
+    ipc_opts = WorkerOptions(max_message_bytes=big, kv_transport="cuda-ipc")
     decodes = {"unified": DecodeWorker(engine(), WorkerOptions(max_message_bytes=big)),
                "grpc": DecodeWorker(engine(), WorkerOptions(max_message_bytes=big)),
-               "cuda-ipc": DecodeWorker(engine(), WorkerOptions(max_message_bytes=big, kv_transport="cuda-ipc"))}
+               "cuda-ipc": DecodeWorker(engine(), ipc_opts),
+               "cuda-ipc-stream": DecodeWorker(engine(), dataclasses.replace(ipc_opts, kv_doorbell=False))}
+    if device == "cpu":
+        _cpu_ipc_protocol(prefill, decodes["cuda-ipc"], decodes["cuda-ipc-stream"])
     paddr = f"127.0.0.1:{await prefill.start()}"
     clients = {name: DecodeClient(f"127.0.0.1:{await d.start()}") for name, d in decodes.items()}
     lengths = (32, 100) if smoke else (512, 2048, 4000)
     rng = random.Random(21)
     try:
         for n in lengths:
-            times: dict[str, list[float]] = {"unified": [], "grpc": [], "cuda-ipc": []}
+            times: dict[str, list[float]] = {mode: [] for mode in decodes}
             answers: dict[str, list[list[int]]] = {k: [] for k in times}
             moved: dict[str, tuple[float, float]] = {}
             computed: dict[str, float] = {}  # the prefill worker's queue + compute, summed over the runs
@@ -73,7 +84,7 @@ async def _run(rep, model_dir: Path, vocab: int, device: str, smoke: bool, engin
                                        s + d.metrics.kv_seconds._sum.get() - before[1])
             med = {m: statistics.median(v) for m, v in times.items()}
             same = all(answers[m] == answers["unified"] for m in answers)
-            for mode in ("grpc", "cuda-ipc"):
+            for mode in ("grpc", "cuda-ipc", "cuda-ipc-stream"):
                 nbytes, seconds = moved[mode]
                 speed = nbytes / seconds / 1e9 if seconds else 0.0
                 # Where the TTFT goes, per hand-off on average: the prefill worker's queue + compute, the
@@ -95,15 +106,34 @@ async def _run(rep, model_dir: Path, vocab: int, device: str, smoke: bool, engin
         failures = {m: sum(s.value for metric in d.metrics.failures.collect() for s in metric.samples
                            if s.name.endswith("_total")) for m, d in decodes.items()}
         rep.add("handoff_failures", failures, f"failed hand-offs by decode worker: {failures}")
+        rung = prefill.metrics.doorbells.labels("connected")._value.get()
         rep.add("handoff_cuda_ipc_active", ipc is not None,
                 f"cuda-ipc plane {'active' if ipc is not None else 'unavailable (K/V went inline)'}; prefill "
-                f"answered {prefill.metrics.plane_handoffs.labels('cuda-ipc')._value.get():.0f} offers")
+                f"answered {prefill.metrics.plane_handoffs.labels('cuda-ipc')._value.get():.0f} offers, "
+                f"{rung:.0f} of them on the doorbell")
     finally:
         for c in clients.values():
             await c.close()
         await prefill.stop(0)
         for d in decodes.values():
             await d.stop(0)
+
+
+def _cpu_ipc_protocol(prefill, *decodes) -> None:
+    """CPU rehearsal: the CUDA IPC protocol between these workers, the handle opening as the
+    prefill worker's CPU cache (as tests/workers/test_pd_cuda_ipc.py does)."""
+    from kvrelay.kvtransfer import cuda_ipc
+    from kvrelay.v1 import kv_pb2
+
+    cache = prefill.llm.kv_cache
+    handle = kv_pb2.CudaIpcCache(shape=list(cache.shape), nonce=b"cpu-rehearsal-16")
+    prefill.cuda_ipc.refusal = lambda offer: None
+    prefill.cuda_ipc._handle = handle  # answer() exports nothing once it holds a handle
+    for d in decodes:
+        t = d.transport
+        t.cuda_ipc = cuda_ipc.CudaIpcSources(t.layout, cache.device, "", d.metrics, opener=lambda msg, dtype: cache)
+        if d.options.kv_doorbell:
+            t.doorbell = d.doorbell = d._open_ipc_doorbell()
 
 
 WORKER_MODULES = ("grpc", "google.protobuf", "xxhash", "prometheus_client")  # the workers' own dependencies
@@ -119,4 +149,4 @@ def section_handoff(rep, model_dir: Path, vocab: int, device: str, smoke: bool, 
     kw = dict(engine_kw)
     kw["kv_cache_memory"] = 64 * 2**20 if smoke else 2 * 2**30  # three engines share the device
     kw.pop("gpu_memory_utilization", None)
-    asyncio.run(_run(rep, model_dir, vocab, device, smoke, kw, 1 if smoke else repeats))
+    asyncio.run(_run(rep, model_dir, vocab, device, smoke, kw, repeats))

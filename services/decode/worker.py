@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 import torch
@@ -36,7 +37,7 @@ from kvrelay.kvtransfer.layout import DirectChunk, ReceivedChunk
 from kvrelay.kvtransfer.planes import BUILTIN as BUILTIN_PLANES
 from kvrelay.kvtransfer.planes import builtin_transport
 from kvrelay.kvtransfer.prompt_logprobs_wire import DECODE_HOP, check_prompt_logprobs_fit
-from kvrelay.kvtransfer.shm import DOORBELL_SUFFIX, ShmArena, SourceCaches
+from kvrelay.kvtransfer.shm import DOORBELL_SUFFIX, DoorbellAnchor, ShmArena, SourceCaches
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.transport import GrpcKVTransport, HandoffRequest, KVDestination, KVTransport
 from kvrelay.kvtransfer.transport_plugins import plugin_transport
@@ -64,16 +65,18 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, engine: AsyncEngine, options: WorkerOptions | None = None,
                  transport: KVTransport | None = None):
         super().__init__(engine, options)
-        self.arena = self.doorbell = None
+        self.arena = self.doorbell = self.anchor = None
         if transport is None and self.options.kv_transport in BUILTIN_PLANES:
             transport = builtin_transport(self.options.kv_transport, self.layout, self.options, self.metrics,
                                           engine.engine.device)
+            if transport.cuda_ipc is not None and self.options.kv_doorbell:
+                transport.doorbell = self.doorbell = self._open_ipc_doorbell()
         elif transport is None and self.options.kv_transport:
             transport = plugin_transport(self.options.kv_transport, self.layout, self.options)
         if transport is None and self.options.kv_shm_bytes:
             self.arena = ShmArena(self.options.kv_shm_bytes, self.options.kv_shm_dir)
             self.metrics.track_shm_arena(self.arena)
-            self.doorbell = self._open_doorbell(self.arena) if self.options.kv_doorbell else None
+            self.doorbell = self._open_doorbell(self.arena.path) if self.options.kv_doorbell else None
         # Direct hand-offs copy from a prefill worker's cache into ours: host memory to host memory.
         sources = SourceCaches(self.layout) if engine.engine.device.type == "cpu" else None
         self.transport = transport or GrpcKVTransport(self.layout, self.options.max_message_bytes,
@@ -82,13 +85,27 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         self.load.kv_shm = self.arena is not None
         self._requests: dict[str, _Request] = {}
 
-    def _open_doorbell(self, arena: ShmArena) -> DoorbellServer | None:
-        path = arena.path.with_name(arena.path.name + DOORBELL_SUFFIX)
+    def _open_doorbell(self, beside: Path) -> DoorbellServer | None:
+        path = beside.with_name(beside.name + DOORBELL_SUFFIX)
         try:
             return DoorbellServer(path)
         except OSError as e:  # e.g. a path over the 107-byte limit of Unix sockets
             log.warning("no doorbell at %s (%s): same-node hand-offs signal over gRPC", path, e)
             return None
+
+    def _open_ipc_doorbell(self) -> DoorbellServer | None:
+        """The CUDA IPC plane's doorbell: a socket beside an empty locked file in --kv-shm-dir (with
+        hostIPC, /dev/shm is the node's, where the prefill pods see it too)."""
+        try:
+            self.anchor = DoorbellAnchor(self.options.kv_shm_dir)
+        except OSError as e:
+            log.warning("no doorbell in %s (%s): CUDA IPC hand-offs signal over gRPC", self.options.kv_shm_dir, e)
+            return None
+        doorbell = self._open_doorbell(self.anchor.path)
+        if doorbell is None:
+            self.anchor.close()
+            self.anchor = None
+        return doorbell
 
     def add_services(self, server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self, server)
@@ -103,6 +120,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
             self.doorbell.close()
         if self.arena is not None:
             self.arena.close()
+        if self.anchor is not None:
+            self.anchor.close()
 
     # ---- RPCs ---------------------------------------------------------------------------------
 

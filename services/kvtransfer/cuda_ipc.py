@@ -20,6 +20,7 @@ kvrelay:kv_plane_fallbacks_total{plane="cuda-ipc", reason}.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -82,14 +83,20 @@ class IpcChunk(DirectChunk):
     against the prefill worker's (carried by the chunk), raising ChunkError on a mismatch."""
 
     expected: int = 0
+    awaits_checksum = False  # it came with the header: copy_into checks it
 
     def copy_into(self, kv_cache: torch.Tensor, block_ids: list[int]) -> None:
+        """On the calling thread's current stream of the cache's device: the engine thread's, or
+        a doorbell thread's, which is the same legacy default stream, so the copy is ordered after
+        every step already launched (one may still write a block freed into this reservation)."""
         r = self.range
-        dst = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-        src = torch.tensor(self.source_ids, dtype=torch.long, device=self.source.device)
-        moved = self.source[r.layer_start:r.layer_end].index_select(2, src).to(kv_cache.device)
-        kv_cache[r.layer_start:r.layer_end].index_copy_(2, dst, moved)
-        self.landed = device_checksum(kv_cache[r.layer_start:r.layer_end].index_select(2, dst))
+        on_gpu = torch.cuda.device(kv_cache.device) if kv_cache.is_cuda else contextlib.nullcontext()
+        with on_gpu:  # a doorbell thread's current device is not necessarily the cache's
+            dst = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+            src = torch.tensor(self.source_ids, dtype=torch.long, device=self.source.device)
+            moved = self.source[r.layer_start:r.layer_end].index_select(2, src).to(kv_cache.device)
+            kv_cache[r.layer_start:r.layer_end].index_copy_(2, dst, moved)
+            self.landed = device_checksum(kv_cache[r.layer_start:r.layer_end].index_select(2, dst))
         self.check(self.expected)
 
 
@@ -180,6 +187,7 @@ class CudaIpcSources:
         self._opener = opener
         self._caches: dict[bytes, torch.Tensor] = {}  # by CudaIpcCache.nonce
         self._refused: set[str] = set()  # prefill addresses whose handle did not open
+        self._lock = threading.Lock()  # the event loop and doorbell threads open handles
 
     def offer(self, prefill_addr: str) -> kv_pb2.CudaIpcOffer | None:
         if prefill_addr in self._refused:
@@ -189,6 +197,10 @@ class CudaIpcSources:
     def open(self, prefill_addr: str, msg: kv_pb2.CudaIpcCache) -> torch.Tensor:
         """The prefill worker's cache; ChunkError (and no further offers to it) when it cannot be
         opened or does not hold this layout."""
+        with self._lock:
+            return self._open(prefill_addr, msg)
+
+    def _open(self, prefill_addr: str, msg: kv_pb2.CudaIpcCache) -> torch.Tensor:
         cache = self._caches.get(msg.nonce)
         if cache is not None:
             return cache

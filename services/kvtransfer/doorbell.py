@@ -13,6 +13,11 @@ its engine thread: about 2 ms of a 128-token hand-off whose bytes take 0.6 ms to
   waits for the copy), then acks on the socket (DoorbellAck) once the last frame's chunks are in;
 - a thread of the prefill worker reads the ack and hands it to the hand-off.
 
+The CUDA IPC plane (kvrelay.kvtransfer.cuda_ipc) rings the same way, from a decode worker's
+socket beside an empty locked file (shm.DoorbellAnchor) instead of an arena: its frames carry the
+headers with each chunk's held blocks and GPU checksum, and the cache's IPC handle; the decode
+worker's thread copies device to device and checks before it acks.
+
 Everything else stays on the gRPC stream: start, header, aborts both ways, the stream's end as
 the sign of a dead peer, and a second ack from the decode worker's event loop (in case the
 socket's ack is lost). Sends never block: a peer that stops reading loses its connection, and
@@ -99,14 +104,15 @@ def _close(sock: socket.socket) -> None:
 class DoorbellHandoff:
     """Decode side: one hand-off that expects its chunks on the doorbell.
 
-    accept verifies a chunk header (and the frame's source, the prefill worker's shared cache for
-    a direct chunk) and returns the chunk (raises ChunkError); check_complete
+    accept verifies a chunk header of a frame (and the frame's source: the prefill worker's shared
+    cache for a direct chunk, its CUDA IPC handle for one of that plane) and returns the chunk
+    (raises ChunkError); check_complete
     proves every (layer, block) arrived; write checks the chunks' checksums and copies them into
     the reserved blocks (raises if the request no longer holds them). future resolves on the
     event loop with the last frame's PrefillDone once everything is written, or with the error."""
 
     ticket: bytes
-    accept: Callable[[kv_pb2.KVChunk, kv_pb2.ShmRegion | None], ReceivedChunk | DirectChunk]  # (chunk, source)
+    accept: Callable[[kv_pb2.KVChunk, kv_pb2.DoorbellFrame], ReceivedChunk | DirectChunk]  # (chunk, its frame)
     check_complete: Callable[[], None]
     write: Callable[[list[ReceivedChunk | DirectChunk]], None]
     loop: asyncio.AbstractEventLoop
@@ -209,8 +215,7 @@ class DoorbellServer:
             if not h.live:
                 return
             try:
-                source = frame.source if frame.HasField("source") else None
-                chunks = [h.accept(c, source) for c in frame.chunks]
+                chunks = [h.accept(c, frame) for c in frame.chunks]
                 if chunks and h.first_chunk_at is None:
                     h.first_chunk_at = time.monotonic()
                 if done is not None:
@@ -224,7 +229,7 @@ class DoorbellServer:
             try:
                 if chunks:
                     h.write(chunks)
-                h.unchecked.extend(c for c in chunks if isinstance(c, DirectChunk))
+                h.unchecked.extend(c for c in chunks if isinstance(c, DirectChunk) and c.awaits_checksum)
                 for xxh3_64 in frame.checksums:
                     if not h.unchecked:
                         raise ChunkError("a doorbell frame carries a checksum for no direct KV chunk")

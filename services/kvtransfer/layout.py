@@ -185,6 +185,7 @@ class DirectChunk:
     source: torch.Tensor
     source_ids: list[int]
     landed: int | None = None  # XXH3-64 of the bytes copy_into wrote
+    awaits_checksum = True  # the doorbell matches it with a checksum from a later frame
 
     def copy_into(self, kv_cache: torch.Tensor, block_ids: list[int]) -> None:
         r = self.range

@@ -70,26 +70,17 @@ class ShmArena:
         if size <= DATA_START:
             raise ValueError(f"shared-memory arena of {size} B is too small: it needs more than {DATA_START} B")
         self.removed_stale = remove_stale_arenas(directory)
-        name = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.path = Path(directory) / f"{PREFIX}{name}"
         self.size = size
         self.nonce = secrets.token_bytes(NONCE_BYTES)
-        # Created under another name and locked before it gets the arena name, so another
-        # worker's sweep never sees it unlocked.
-        creating = Path(directory) / f"{CREATING_PREFIX}{name}"
-        fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # Reserve every page now: a sparse file on a full tmpfs would SIGBUS on first touch.
-            os.posix_fallocate(fd, 0, size)
-            self._map = mmap.mmap(fd, size, flags=_MAP_FLAGS)
-            os.rename(creating, self.path)
+            # Every page now: a sparse file on a full tmpfs would SIGBUS on first touch.
+            self.path, self._lock_fd = create_locked(directory, lambda fd: os.posix_fallocate(fd, 0, size))
+            self._map = mmap.mmap(self._lock_fd, size, flags=_MAP_FLAGS)
         except OSError as e:
-            os.close(fd)
-            creating.unlink(missing_ok=True)
+            if getattr(self, "_lock_fd", None) is not None:
+                self.close()
             raise OSError(f"cannot reserve a {size} B shared-memory arena in {directory}: {e.strerror}; lower "
                           f"--kv-shm-bytes or mount a bigger memory-backed directory (--kv-shm-dir)") from e
-        self._lock_fd = fd  # held open, with its lock, until close() or the process's death
         self._map[:NONCE_BYTES] = self.nonce
         self.view = np.frombuffer(self._map, dtype=np.uint8)
         self._free: list[tuple[int, int]] = [(DATA_START, size - DATA_START)]  # (offset, size), sorted
@@ -130,6 +121,46 @@ class ShmArena:
 
     def close(self) -> None:
         """Unlink the file; mappings (ours, a prefill worker's) stay valid until unmapped."""
+        self.path.unlink(missing_ok=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def create_locked(directory: str | Path, prepare=None) -> tuple[Path, int]:
+    """A new file in directory named PREFIX + pid + random, and its descriptor, which holds an
+    exclusive flock until it is closed or the process dies (remove_stale_arenas deletes it after
+    that). It is created under another name and locked before it gets this one, so a sweep never
+    sees it unlocked; prepare(fd), if given, runs before the rename."""
+    name = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    path, creating = Path(directory) / f"{PREFIX}{name}", Path(directory) / f"{CREATING_PREFIX}{name}"
+    fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if prepare is not None:
+            prepare(fd)
+        os.rename(creating, path)
+    except OSError:
+        os.close(fd)
+        creating.unlink(missing_ok=True)
+        raise
+    return path, fd
+
+
+class DoorbellAnchor:
+    """Decode side without an arena (the CUDA IPC plane): an empty locked file whose path plus
+    DOORBELL_SUFFIX is the doorbell socket, so the socket is swept like an arena's once its
+    decode worker is gone."""
+
+    def __init__(self, directory: str | Path = "/dev/shm"):
+        self.removed_stale = remove_stale_arenas(directory)
+        self.path, self._lock_fd = create_locked(directory)
+
+    @property
+    def doorbell_path(self) -> Path:
+        return self.path.with_name(self.path.name + DOORBELL_SUFFIX)
+
+    def close(self) -> None:
         self.path.unlink(missing_ok=True)
         if self._lock_fd is not None:
             os.close(self._lock_fd)

@@ -13,7 +13,7 @@ region of it in PrefillStart; a prefill worker that can open it writes the chunk
 sends only their headers, and everything else above stays as it is. With a doorbell beside the
 arena (kvrelay.kvtransfer.doorbell), a prefill worker that can connect sends those headers,
 PrefillDone and the ack between the two engine threads on a Unix socket; the gRPC stream then
-carries only start, header, aborts and its end.
+carries only start, header, aborts and its end. The CUDA IPC plane below offers a doorbell too.
 
 With a transfer engine (kvrelay.kvtransfer.mooncake: RDMA or TCP, any node), the arena's regions
 are offered in PrefillStart.remote instead: the prefill worker writes each chunk's bytes into the
@@ -127,7 +127,7 @@ class GrpcKVTransport(KVTransport):
             arena, doorbell, sources = remote.arena, None, None
         # Given: prefill workers on this node are offered the CUDA IPC plane (kvrelay.kvtransfer.cuda_ipc).
         self.cuda_ipc = cuda_ipc
-        self.doorbell = doorbell  # offered with the arena's regions
+        self.doorbell = doorbell  # offered with the arena's regions, or with the CUDA IPC plane
         # Given (a CPU cache): doorbell hand-offs may copy straight out of a prefill worker's
         # shared cache (the direct hand-off) instead of its region.
         self.sources = sources if doorbell is not None else None
@@ -221,13 +221,17 @@ class GrpcKVTransport(KVTransport):
         if self.cuda_ipc is not None:
             offer = self.cuda_ipc.offer(attempt.prefill_addr)
             if offer is not None:
+                if self.doorbell is not None and dest.write_now is not None:
+                    # Registered before the prefill worker can ring, as below.
+                    attempt.doorbell = self._register_doorbell(verifier, None, dest, attempt.prefill_addr)
+                    offer.doorbell, offer.ticket = str(self.doorbell.path), attempt.doorbell.ticket
                 start.cuda_ipc.CopyFrom(offer)
         if region is not None and self.remote is not None:
             start.remote.CopyFrom(self.remote.offer(region))
         elif region is not None:
             start.shm.CopyFrom(kv_pb2.ShmRegion(path=str(self.arena.path), nonce=self.arena.nonce,
                                                 offset=region.offset, size=region.size))
-            if self.doorbell is not None and dest.write_now is not None:
+            if self.doorbell is not None and dest.write_now is not None and attempt.doorbell is None:
                 # Registered before the prefill worker can ring: its first frame may come before
                 # the header is read here.
                 attempt.doorbell = self._register_doorbell(verifier, _ShmReader(self.arena, region), dest)
@@ -254,11 +258,15 @@ class GrpcKVTransport(KVTransport):
         if header.HasField("cuda_ipc"):
             if not start.HasField("cuda_ipc"):
                 raise ChunkError("prefill worker chose the CUDA IPC plane, which this decode worker did not offer")
-            ipc_source = self.cuda_ipc.open(attempt.prefill_addr, header.cuda_ipc)  # ChunkError if it cannot
+            if not header.doorbell:  # else the doorbell's frames carry the handle
+                ipc_source = self.cuda_ipc.open(attempt.prefill_addr, header.cuda_ipc)  # ChunkError if it cannot
         if header.doorbell:
             if attempt.doorbell is None:
                 raise ChunkError("prefill worker chose the doorbell, which this decode worker did not offer")
-            return await self._await_doorbell(call, attempt, verifier, request)
+            if start.cuda_ipc.doorbell and not header.HasField("cuda_ipc"):
+                raise ChunkError("prefill worker rang the CUDA IPC plane's doorbell without the plane")
+            return await self._await_doorbell(call, attempt, verifier, request,
+                                              "cuda-ipc" if header.HasField("cuda_ipc") else "shm")
         if attempt.doorbell is not None:  # the prefill worker cannot reach the socket: the stream carries all
             self.doorbell.unregister(attempt.doorbell)
             attempt.doorbell = None
@@ -298,12 +306,19 @@ class GrpcKVTransport(KVTransport):
             await writer.close()
 
 
-    def _register_doorbell(self, verifier: ChunkVerifier, shm: _ShmReader, dest: KVDestination) -> DoorbellHandoff:
+    def _register_doorbell(self, verifier: ChunkVerifier, shm: _ShmReader | None, dest: KVDestination,
+                           ipc_from: str = "") -> DoorbellHandoff:
+        """shm: the offered region's reader; ipc_from: the prefill worker offered the CUDA IPC plane."""
         loop = asyncio.get_running_loop()
 
-        def accept(chunk: kv_pb2.KVChunk, source: kv_pb2.ShmRegion | None):
+        def accept(chunk: kv_pb2.KVChunk, frame: kv_pb2.DoorbellFrame):
+            if ipc_from:
+                if not frame.HasField("cuda_ipc"):
+                    raise ChunkError("a KV chunk on the CUDA IPC plane's doorbell came without the cache handle")
+                return self.cuda_ipc.accept(verifier, chunk, self.cuda_ipc.open(ipc_from, frame.cuda_ipc))
             if not chunk.source_block_ids:
                 return verifier.accept(chunk, shm.payload(chunk))
+            source = frame.source if frame.HasField("source") else None
             if source is None or self.sources is None:
                 raise ChunkError("a direct KV chunk came without a shared cache this decode worker offered to read")
             try:
@@ -319,7 +334,7 @@ class GrpcKVTransport(KVTransport):
         return h
 
     async def _await_doorbell(self, call, attempt: _Attempt, verifier: ChunkVerifier,
-                              request: HandoffRequest) -> HandoffResult:
+                              request: HandoffRequest, plane: str) -> HandoffResult:
         """The chunks and PrefillDone come on the doorbell, written on the engine thread; the
         stream can only end the hand-off early (aborted, closed, broken)."""
         h = attempt.doorbell
@@ -336,7 +351,7 @@ class GrpcKVTransport(KVTransport):
             num_cached_tokens=done.num_cached_tokens, bytes=verifier.bytes,
             seconds=h.written_at - (h.first_chunk_at or h.written_at),  # both set before the future resolves
             bytes_before_compute_done=done.bytes_before_compute_done, prefill_seconds=done.prefill_seconds,
-            plane="shm", prompt_logprobs=prompt_lps)
+            plane=plane, prompt_logprobs=prompt_lps)
 
 
 @dataclass(eq=False)

@@ -56,8 +56,8 @@ class WorkerOptions:
     # arena bytes (0: off, K/V always inline on gRPC) and the memory-backed directory holding it.
     kv_shm_bytes: int = 0
     kv_shm_dir: str = "/dev/shm"
-    # With the arena, a Unix socket beside it on which same-node hand-offs signal between the
-    # engine threads (kvrelay.kvtransfer.doorbell); False: they signal on the gRPC stream.
+    # With the arena (or the CUDA IPC plane), a Unix socket beside it on which same-node hand-offs
+    # signal between the engine threads (kvrelay.kvtransfer.doorbell); False: on the gRPC stream.
     kv_doorbell: bool = True
     # prefill side: the KV cache in a shared-memory file in kv_shm_dir, so a decode worker on this
     # node copies held blocks straight out of it (the direct hand-off; needs its doorbell).
@@ -128,10 +128,11 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
                             help="offer prefill workers on this node a shared-memory arena of this size for "
                                  "K/V (e.g. 256MiB; 0: off, K/V travels inline on gRPC)")
         parser.add_argument("--kv-shm-dir", default=d.kv_shm_dir,
-                            help="memory-backed directory both workers mount, holding the arena file")
+                            help="memory-backed directory both workers mount, holding the arena file (and "
+                                 "the doorbell socket of --kv-transport cuda-ipc)")
         parser.add_argument("--no-kv-doorbell", dest="kv_doorbell", action="store_false",
-                            help="with --kv-shm-bytes: no doorbell socket beside the arena; chunk headers and "
-                                 "acks of same-node hand-offs go on the gRPC stream")
+                            help="with --kv-shm-bytes or --kv-transport cuda-ipc: no doorbell socket; chunk "
+                                 "headers and acks of same-node hand-offs go on the gRPC stream")
         parser.add_argument("--kv-transport", default=None,
                             help="mooncake (a transfer-engine region prefill workers on any node write into), "
                                  "cuda-ipc (same-node GPU caches, device to device), or a transport from a "

@@ -99,6 +99,8 @@ class PrefillWorker(HandoffSender, EngineThreadSide, WorkerBase, prefill_pb2_grp
             await asyncio.sleep(0.05)
         await super().stop(grace_s)
         self.doorbells.close()
+        if self._ringer is not None:
+            self._ringer.shutdown(wait=False)
         if self.shared_cache is not None:
             self.shared_cache.close()  # unlinks the file; the engine's mapping stays valid
 
@@ -148,40 +150,39 @@ class PrefillWorker(HandoffSender, EngineThreadSide, WorkerBase, prefill_pb2_grp
         h = Handoff(lease, asyncio.Queue(), asyncio.get_running_loop(), num_blocks=num_blocks,
                     max_message_bytes=max_msg, first_block=start.num_cached_blocks,
                     client_request_id=dict(context.invocation_metadata() or ()).get("x-request-id", ""))
-        if start.HasField("shm"):
+        # Doorbell frames hold headers only and are sent without blocking: PrefillDone with prompt
+        # logprobs (up to a message's size) goes on the stream instead.
+        ring = params.prompt_logprobs is None
+        if start.HasField("cuda_ipc"):
+            h.cuda_ipc = self.cuda_ipc.answer(start.cuda_ipc)
+            if h.cuda_ipc is not None and start.cuda_ipc.doorbell and ring:
+                self._connect_doorbell(h, start.cuda_ipc.doorbell, start.cuda_ipc.ticket)
+        if start.HasField("shm") and h.cuda_ipc is None:
             h.shm = self._open_shm(start.shm, h.num_blocks - h.first_block)
-            # Doorbell frames hold headers only and are sent without blocking: PrefillDone with
-            # prompt logprobs (up to a message's size) goes on the stream instead.
-            if h.shm is not None and start.shm.doorbell and params.prompt_logprobs is None:
-                h.doorbell = self.doorbells.connect(start.shm.doorbell)
-                self.metrics.doorbells.labels("connected" if h.doorbell is not None else "unreachable").inc()
-                if h.doorbell is not None:
-                    h.ticket = start.shm.ticket
-                    h.direct = start.shm.direct and self.shared_cache is not None
-                    if h.direct:
-                        self.metrics.direct.inc()
-                    with self._lock:
-                        self._by_ticket[h.ticket] = h
-                        self._ringing[lease.lease_id] = h
+            if h.shm is not None and start.shm.doorbell and ring and self._connect_doorbell(h, start.shm.doorbell,
+                                                                                            start.shm.ticket):
+                h.direct = start.shm.direct and self.shared_cache is not None
+                if h.direct:
+                    self.metrics.direct.inc()
         if start.HasField("remote"):
             h.remote = open_remote(self.mooncake, start.remote, self.layout.bytes_for_blocks(h.num_blocks - h.first_block),
                                    self.metrics)
-        if start.HasField("cuda_ipc"):
-            h.cuda_ipc = self.cuda_ipc.answer(start.cuda_ipc)
         self.leases.add(lease)
         self._handoffs[lease.lease_id] = h
         reader = asyncio.create_task(self._read_decode_side(it, h))
         compute: asyncio.Task | None = None
         reason = "stream_broken"
         try:
+            if len(ids) >= self.options.stream_min_tokens:
+                with self._lock:
+                    self._streaming[lease.lease_id] = h
+            # The prefill starts while the header goes out (chunks queue behind it; doorbell frames
+            # may overtake it, which the decode side expects).
+            compute = asyncio.create_task(self._compute(h, ids, params, start.priority, start.cache_salt or None))
             await context.write(kv_pb2.PrefillServerMessage(header=kv_pb2.HandoffHeader(
                 lease_id=lease.lease_id, layout=self.layout.to_proto(), num_tokens=len(ids),
                 num_blocks=h.num_blocks, lease_seconds=self.options.lease_seconds, shm=h.shm is not None,
                 doorbell=h.doorbell is not None, remote=h.remote is not None, cuda_ipc=h.cuda_ipc)))
-            if len(ids) >= self.options.stream_min_tokens:
-                with self._lock:
-                    self._streaming[lease.lease_id] = h
-            compute = asyncio.create_task(self._compute(h, ids, params, start.priority, start.cache_salt or None))
             reason = await self._send_loop(h, context)
         except asyncio.CancelledError:
             reason = lease.release_reason or "stream_broken"
@@ -192,6 +193,18 @@ class PrefillWorker(HandoffSender, EngineThreadSide, WorkerBase, prefill_pb2_grp
                 compute.cancel()
                 await asyncio.gather(compute, return_exceptions=True)
             await asyncio.shield(self._release(h, lease.release_reason or reason))
+
+    def _connect_doorbell(self, h: Handoff, path: str, ticket: bytes) -> bool:
+        """Whether the offered doorbell connects: then the engine thread rings h's chunks and done."""
+        h.doorbell = self.doorbells.connect(path)
+        self.metrics.doorbells.labels("connected" if h.doorbell is not None else "unreachable").inc()
+        if h.doorbell is None:
+            return False
+        h.ticket = ticket
+        with self._lock:
+            self._by_ticket[h.ticket] = h
+            self._ringing[h.lease.lease_id] = h
+        return True
 
     def _open_shm(self, offer: kv_pb2.ShmRegion, num_blocks: int) -> np.ndarray | None:
         """The offered region if this worker sees the decode worker's arena file and the region
@@ -221,6 +234,8 @@ class PrefillWorker(HandoffSender, EngineThreadSide, WorkerBase, prefill_pb2_grp
             with self._lock:
                 self._streaming.pop(lease.lease_id, None)
             if h.doorbell is not None:  # the step's after_step hook rang with the rest and done
+                if h.ring_job is not None:  # CUDA IPC: rung from the ringer thread once the GPU is done
+                    await asyncio.wrap_future(h.ring_job)
                 if h.doorbell_error is not None or not h.done_sent:
                     raise h.doorbell_error or EngineDeadError("the prefill's last step rang no doorbell")
                 return

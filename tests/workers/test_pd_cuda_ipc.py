@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +24,7 @@ from kvrelay.kvtransfer.cuda_ipc import CudaIpcExport, CudaIpcSources, IpcChunk,
 from kvrelay.kvtransfer.errors import ChunkError
 from kvrelay.kvtransfer.layout import ChunkRange, ChunkVerifier, KVLayout, chunk_header
 from kvrelay.kvtransfer.metrics import WorkerMetrics
+from kvrelay.kvtransfer.shm import DOORBELL_SUFFIX, DoorbellAnchor
 from kvrelay.kvtransfer.worker_base import WorkerOptions
 from kvrelay.v1 import kv_pb2
 from pd_helpers import (
@@ -33,6 +37,7 @@ from pd_helpers import (
     scrape,
     start_pair,
     stop_pair,
+    wait_until,
 )
 from test_pd_failures import PROMPT, SLOW_PREFILL, _handoff_started, _tokens
 
@@ -152,17 +157,20 @@ async def test_cuda_ipc_on_a_cpu_decode_worker_falls_back_to_inline():
         await stop_pair(pair)
 
 
-async def _cpu_ipc_pair(monkeypatch, streaming: bool, corrupt: bool = False):
+async def _cpu_ipc_pair(monkeypatch, streaming: bool, corrupt: bool = False, doorbell_dir=None, opener=None,
+                        **prefill):
     """Real workers on the CUDA IPC protocol with CPU caches: the prefill worker answers as a GPU
-    one would, and the decode worker's opener returns the prefill worker's cache tensor."""
+    one would, and the decode worker's opener returns the prefill worker's cache tensor.
+    doorbell_dir: the decode worker offers its doorbell there, as a GPU one does by default."""
     monkeypatch.setattr(CudaIpcExport, "refusal", lambda self, offer: None)
     monkeypatch.setattr(cuda_ipc, "export_handle",
                         lambda cache: kv_pb2.CudaIpcCache(shape=list(cache.shape), nonce=b"c" * 16))
-    popts = WorkerOptions(stream_min_tokens=0 if streaming else 10**9, layer_group_size=2)
-    pair = await start_pair(prefill_options=popts)
+    popts = WorkerOptions(stream_min_tokens=0 if streaming else 10**9, layer_group_size=2, **prefill)
+    dopts = WorkerOptions(kv_shm_dir=str(doorbell_dir or "/dev/shm"))
+    pair = await start_pair(prefill_options=popts, decode_options=dopts)
     cache = pair.prefill.llm.kv_cache
 
-    def opener(msg, dtype):
+    def same_or_changed(msg, dtype):
         if not corrupt:
             return cache
         changed = cache.clone()
@@ -170,13 +178,21 @@ async def _cpu_ipc_pair(monkeypatch, streaming: bool, corrupt: bool = False):
         return changed
 
     t = pair.decode.transport
-    t.cuda_ipc = CudaIpcSources(t.layout, torch.device("cpu"), "", pair.decode.metrics, opener=opener)
+    t.cuda_ipc = CudaIpcSources(t.layout, torch.device("cpu"), "", pair.decode.metrics,
+                                opener=opener or same_or_changed)
+    if doorbell_dir is not None:
+        t.doorbell = pair.decode.doorbell = pair.decode._open_ipc_doorbell()
+        assert t.doorbell is not None
     return pair
 
 
+@pytest.mark.parametrize("doorbell", [False, True], ids=["stream", "doorbell"])
 @pytest.mark.parametrize("streaming", [True, False], ids=["layer_streamed", "after_prefill"])
-async def test_cuda_ipc_protocol_equals_single_process(monkeypatch, streaming):
-    pair = await _cpu_ipc_pair(monkeypatch, streaming)
+async def test_cuda_ipc_protocol_equals_single_process(monkeypatch, tmp_path, streaming, doorbell):
+    """doorbell: the chunk headers (held blocks, checksum, the handle) and PrefillDone come on the
+    decode worker's socket from the prefill worker's ringer thread, and the decode worker's
+    doorbell thread copies and checks them; the gRPC stream carries start, header and its end."""
+    pair = await _cpu_ipc_pair(monkeypatch, streaming, doorbell_dir=tmp_path if doorbell else None)
     ref = AsyncEngine(EngineArgs(num_kv_blocks=96))
     await ref.start()
     try:
@@ -192,14 +208,18 @@ async def test_cuda_ipc_protocol_equals_single_process(monkeypatch, streaming):
         assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 0
         moved = pair.decode.metrics.kv_bytes._value.get()
         assert moved > 0 and pair.decode.metrics.kv_plane_bytes.labels("cuda-ipc")._value.get() == moved
+        # Every hand-off rang: a header that says so makes the decode side wait for the socket only.
+        assert pair.prefill.metrics.doorbells.labels("connected")._value.get() == (6 if doorbell else 0)
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
     finally:
         await stop_pair(pair)
         await ref.shutdown()
 
 
-async def test_cuda_ipc_chunk_whose_bytes_differ_is_caught_and_falls_back(monkeypatch):
-    pair = await _cpu_ipc_pair(monkeypatch, streaming=False, corrupt=True)
+
+@pytest.mark.parametrize("doorbell", [False, True], ids=["stream", "doorbell"])
+async def test_cuda_ipc_chunk_whose_bytes_differ_is_caught_and_falls_back(monkeypatch, tmp_path, doorbell):
+    pair = await _cpu_ipc_pair(monkeypatch, streaming=False, corrupt=True, doorbell_dir=tmp_path if doorbell else None)
     try:
         want = await reference_tokens(PROMPT, SEEDED)
         assert await _tokens(pair.client.generate(PROMPT, SEEDED, prefill_addr=pair.prefill_addr)) == want
@@ -208,6 +228,81 @@ async def test_cuda_ipc_chunk_whose_bytes_differ_is_caught_and_falls_back(monkey
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
     finally:
         await stop_pair(pair)
+
+
+async def test_ipc_handle_that_does_not_open_on_the_doorbell_falls_back_and_is_offered_no_more(monkeypatch, tmp_path):
+    """The decode worker's doorbell thread cannot open the handle in the first frame: that hand-off
+    fails (ChunkError) and prefills locally; the next one gets no CUDA IPC offer, so it goes
+    inline, without the doorbell. Same answers, nothing stranded."""
+    def refuse(msg, dtype):
+        raise RuntimeError("cudaIpcOpenMemHandle failed: invalid device context")
+
+    pair = await _cpu_ipc_pair(monkeypatch, streaming=False, doorbell_dir=tmp_path, opener=refuse)
+    try:
+        for prompt in (PROMPT[:90], PROMPT[:120]):
+            want = await reference_tokens(prompt, SEEDED)
+            assert await _tokens(pair.client.generate(prompt, SEEDED, prefill_addr=pair.prefill_addr)) == want
+        d, p = pair.decode.metrics, pair.prefill.metrics
+        assert _fallbacks(d, "open_failed") == 1 and d.failures.labels("ChunkError")._value.get() == 1
+        assert d.fallbacks.labels("local")._value.get() == 1
+        assert p.doorbells.labels("connected")._value.get() == 1  # the second was not offered the plane
+        assert d.kv_plane_bytes.labels("grpc")._value.get() > 0
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+
+
+async def test_broken_ipc_doorbell_fails_over_the_stream_and_strands_nothing(monkeypatch, tmp_path):
+    """The decode worker's doorbell goes away while layer groups are being rung: the prefill
+    worker's next ring fails, it aborts on the stream, the decode worker prefills locally (the same
+    answer); the next hand-off finds no socket and rings on gRPC."""
+    pair = await _cpu_ipc_pair(monkeypatch, streaming=True, doorbell_dir=tmp_path, debug_chunk_delay_s=0.2)
+    try:
+        want = await reference_tokens(PROMPT, SEEDED)
+        task = asyncio.create_task(_tokens(pair.client.generate(PROMPT, SEEDED, prefill_addr=pair.prefill_addr)))
+        connected = pair.prefill.metrics.doorbells.labels("connected")
+
+        async def rung():
+            return connected._value.get() == 1
+
+        await wait_until(rung, what="a hand-off on the doorbell")
+        await asyncio.sleep(0.3)  # a frame or two are through
+        pair.decode.doorbell.close()
+        assert await asyncio.wait_for(task, 30) == want
+        assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 1
+        assert pair.prefill.metrics.kv_handoffs.labels("error")._value.get() == 1
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+
+        want = await reference_tokens(PROMPT[:60], GREEDY)
+        assert await _tokens(pair.client.generate(PROMPT[:60], GREEDY, prefill_addr=pair.prefill_addr)) == want
+        assert pair.prefill.metrics.doorbells.labels("unreachable")._value.get() == 1
+        assert pair.decode.metrics.kv_plane_bytes.labels("cuda-ipc")._value.get() > 0  # over the stream
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+
+
+def test_ipc_doorbell_of_a_killed_decode_worker_is_swept_by_the_next_one(tmp_path):
+    """Without an arena, the CUDA IPC plane's socket sits beside an empty locked file
+    (DoorbellAnchor): after kill -9 the next decode worker in the directory deletes both."""
+    code = ("import sys, time; from kvrelay.kvtransfer.shm import DoorbellAnchor; "
+            "from kvrelay.kvtransfer.doorbell import DoorbellServer; a = DoorbellAnchor(sys.argv[1]); "
+            "DoorbellServer(a.doorbell_path); print(a.path, flush=True); time.sleep(120)")
+    owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        dead = Path(owner.stdout.readline().strip())
+        live = DoorbellAnchor(tmp_path)
+        assert live.removed_stale == [] and dead.exists()  # its owner holds the lock
+    finally:
+        owner.kill()
+        owner.wait()
+    dead_sock = dead.with_name(dead.name + DOORBELL_SUFFIX)
+    assert dead_sock.exists()
+    again = DoorbellAnchor(tmp_path)
+    assert again.removed_stale == [dead, dead_sock] and live.path.exists()
+    for a in (live, again):
+        a.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -240,20 +335,25 @@ def test_copy_stream_gathers_after_the_queued_writes_without_waiting_for_them(ch
 
 
 @cuda
-@pytest.mark.parametrize("plane,corrupt", [("cuda-ipc", False), ("cuda-ipc", True), ("grpc", False)],
-                         ids=["parity", "corrupted_copy", "inline_grpc"])
-async def test_cuda_ipc_on_gpu_equals_single_process(plane, corrupt):
+@pytest.mark.parametrize("plane,doorbell,corrupt", [("cuda-ipc", True, False), ("cuda-ipc", False, False),
+                                                    ("cuda-ipc", True, True), ("grpc", False, False)],
+                         ids=["parity_doorbell", "parity_stream", "corrupted_copy", "inline_grpc"])
+async def test_cuda_ipc_on_gpu_equals_single_process(tmp_path, plane, doorbell, corrupt):
     """Both workers in this process on one GPU (the handle opens as the exported tensor): greedy
     and seeded with layer streaming, then a prefix hit; with the copy's source changed, every
-    hand-off is caught and prefilled locally, with the same answers. inline_grpc: the K/V of a GPU
-    cache through pinned host memory from the copy stream, on gRPC."""
+    hand-off is caught and prefilled locally, with the same answers. doorbell: the frames go from
+    the prefill worker's ringer thread once the copy stream's checksum is in, and the decode
+    worker's doorbell thread copies on the default stream (the default; parity_stream: the chunk
+    messages on gRPC). inline_grpc: the K/V of a GPU cache through pinned host memory from the
+    copy stream, on gRPC."""
     from kvrelay.decode.worker import DecodeWorker
     from kvrelay.prefill.worker import PrefillWorker
 
     popts = WorkerOptions(stream_min_tokens=0, layer_group_size=2)
     args = {"device": "cuda", "num_kv_blocks": 96}
     p = PrefillWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), popts)
-    dopts = WorkerOptions(kv_transport=None if plane == "grpc" else plane)
+    dopts = WorkerOptions(kv_transport=None if plane == "grpc" else plane, kv_doorbell=doorbell,
+                          kv_shm_dir=str(tmp_path))
     d = DecodeWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), dopts)
     pp, dp = await p.start(), await d.start()
     if corrupt:
@@ -279,6 +379,7 @@ async def test_cuda_ipc_on_gpu_equals_single_process(plane, corrupt):
             assert failures == 0 and moved > 0 and d.metrics.fallbacks.labels("local")._value.get() == 0
         else:
             assert failures == 0 and moved > 0 and p.metrics.plane_handoffs.labels("cuda-ipc")._value.get() == 3
+        assert p.metrics.doorbells.labels("connected")._value.get() == (len(runs) if doorbell else 0)
         await assert_all_free(p.engine, d.engine)
     finally:
         await client.close()
