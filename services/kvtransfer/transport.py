@@ -138,6 +138,7 @@ class GrpcKVTransport(KVTransport):
         # the arena only after this long (the prefill side's lease is 30 s by default).
         self.shm_quarantine_s = 60.0
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._acks: set[asyncio.Task] = set()  # doorbell hand-offs' stream acks, still being written
 
     def _prefill_call(self, addr: str, timeout_s: float | None = None,
                       client_request_id: str = "") -> grpc.aio.StreamStreamCall:
@@ -341,10 +342,10 @@ class GrpcKVTransport(KVTransport):
         attempt.watcher = asyncio.create_task(_watch_stream(call, h))
         done = await h.future
         prompt_lps = _prompt_logprobs(done, request)
-        # The doorbell acked from the engine thread already; this ack covers a lost one.
-        with contextlib.suppress(Exception):  # the call may have ended on that first ack
-            await call.write(kv_pb2.PrefillClientMessage(ack=kv_pb2.PrefillAck()))
-            await call.done_writing()
+        # The doorbell acked from its thread already; this ack covers a lost one, off the TTFT's path.
+        task = asyncio.create_task(_ack_on_stream(call))
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
         return HandoffResult(
             first_token=done.first_token_id,
             first_logprob=logprob_from_proto(done.first_logprob) if done.has_logprob else None,
@@ -362,6 +363,12 @@ class _Attempt:
     prefill_addr: str = ""
     doorbell: DoorbellHandoff | None = None
     watcher: asyncio.Task | None = None  # reads the stream of a doorbell hand-off
+
+
+async def _ack_on_stream(call) -> None:
+    with contextlib.suppress(Exception):  # the call may have ended on the doorbell's ack
+        await call.write(kv_pb2.PrefillClientMessage(ack=kv_pb2.PrefillAck()))
+        await call.done_writing()
 
 
 async def _watch_stream(call, h: DoorbellHandoff) -> None:
