@@ -153,8 +153,8 @@ class WorkerMetrics:
                                   "this worker could open them (accepted) or sent the K/V inline (unreachable).",
                                   ["outcome"], registry=r)
         self.doorbells = Counter("kvrelay:kv_doorbell_handoffs",
-                                 "Prefill side: shared-memory hand-offs whose decode worker offered a doorbell "
-                                 "socket, by whether this worker reached it (connected) or signalled on gRPC (unreachable).",
+                                 "Prefill side: shared-memory and CUDA IPC hand-offs whose decode worker offered a "
+                                 "doorbell socket, by whether this worker reached it (connected) or signalled on gRPC (unreachable).",
                                  ["outcome"], registry=r)
         self.direct = Counter("kvrelay:kv_direct_handoffs",
                               "Prefill side: doorbell hand-offs whose decode worker copied the K/V straight out "
