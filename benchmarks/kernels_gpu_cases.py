@@ -156,7 +156,7 @@ def bench_blocks(b: Bench, ops, ref, layers, num_blocks, moved, kv_heads, head_d
 
     # The CUDA IPC plane's checksum of a gathered chunk (both sides compute it per hand-off chunk):
     # the Triton pass against the torch version, bit for bit.
-    from kvrelay.kernels.triton_checksum import checksum
+    from kvrelay.kernels.triton_checksum import block_checksum, checksum
     from kvrelay.kvtransfer.cuda_ipc import K1, K2, torch_checksum
 
     words = packed.reshape(-1).view(torch.int32)
@@ -169,6 +169,42 @@ def bench_blocks(b: Bench, ops, ref, layers, num_blocks, moved, kv_heads, head_d
         torch_checksum(words),
         checksum(words, K1, K2),
         nbytes=nbytes // 2,
+        atol=0,
+        rtol=0,
+    )
+    # Each side of a CUDA IPC chunk in one pass from the blocks: the prefill side's checksum (no
+    # gather) and the decode side's copy into its reservation with the checksum of what it stored,
+    # against the passes they replaced (gather + checksum; index_select, index_copy_, index_select
+    # + checksum). nbytes: what the fused kernel must move (read; read + write).
+    src_ids = ids  # the gathered blocks above
+    landed = kv.clone()
+
+    def three_passes():
+        moved = kv[0:layers].index_select(2, src_ids)
+        landed[0:layers].index_copy_(2, dst_ids, moved)
+        return checksum(landed[0:layers].index_select(2, dst_ids).reshape(-1).view(torch.int32), K1, K2)
+
+    b.add(
+        "kv_block_checksum",
+        shape,
+        lambda: block_checksum(kv, src_ids, 0, layers, K1, K2),
+        lambda: checksum(ops.gather_blocks(kv, src_ids, 0, layers).reshape(-1).view(torch.int32), K1, K2),
+        "gather + checksum",
+        torch_checksum(words),
+        block_checksum(kv, src_ids, 0, layers, K1, K2),
+        nbytes=nbytes // 2,
+        atol=0,
+        rtol=0,
+    )
+    b.add(
+        "kv_copy_checksum",
+        shape,
+        lambda: block_checksum(kv, src_ids, 0, layers, K1, K2, dst=landed, dst_ids=dst_ids),
+        three_passes,
+        "3 passes + checksum",
+        torch_checksum(words),
+        block_checksum(kv, src_ids, 0, layers, K1, K2, dst=landed, dst_ids=dst_ids),
+        nbytes=nbytes,
         atol=0,
         rtol=0,
     )

@@ -77,6 +77,15 @@ def torch_checksum(words: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+def fused_copy(source: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether kvrelay.kernels.triton_checksum.block_checksum can read source's blocks (and copy
+    them into cache): both on one GPU, contiguous, blocks of whole 32-bit words."""
+    from kvrelay.kernels.triton_checksum import block_words
+
+    return (source.is_cuda and source.device == cache.device and block_words(source) is not None
+            and block_words(source) == block_words(cache))
+
+
 class IpcChunk(DirectChunk):
     """A chunk whose bytes are blocks source_ids of the prefill worker's cache, opened over CUDA
     IPC: copy_into copies them into the reservation and checks the checksum of what landed
@@ -94,9 +103,15 @@ class IpcChunk(DirectChunk):
         with on_gpu:  # a doorbell thread's current device is not necessarily the cache's
             dst = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
             src = torch.tensor(self.source_ids, dtype=torch.long, device=self.source.device)
-            moved = self.source[r.layer_start:r.layer_end].index_select(2, src).to(kv_cache.device)
-            kv_cache[r.layer_start:r.layer_end].index_copy_(2, dst, moved)
-            self.landed = device_checksum(kv_cache[r.layer_start:r.layer_end].index_select(2, dst))
+            if fused_copy(self.source, kv_cache):  # one pass: copy, and checksum the words stored
+                from kvrelay.kernels.triton_checksum import block_checksum
+
+                self.landed = checksum_int(block_checksum(self.source, src, r.layer_start, r.layer_end, K1, K2,
+                                                          dst=kv_cache, dst_ids=dst))
+            else:  # peer to peer across GPUs, or on CPU (tests)
+                moved = self.source[r.layer_start:r.layer_end].index_select(2, src).to(kv_cache.device)
+                kv_cache[r.layer_start:r.layer_end].index_copy_(2, dst, moved)
+                self.landed = device_checksum(kv_cache[r.layer_start:r.layer_end].index_select(2, dst))
         self.check(self.expected)
 
 

@@ -55,11 +55,14 @@ def install(arch: int) -> list:
 
 def exercise(ops) -> None:
     """Call each op with shapes that select every code path the GPU will see."""
-    from kvrelay.kernels.triton_checksum import checksum
+    from kvrelay.kernels.triton_checksum import block_checksum, checksum
     from kvrelay.kernels.triton_rotary_kv import rotary_and_write_kv
     from kvrelay.kvtransfer.cuda_ipc import K1, K2
 
     checksum(torch.zeros(5, dtype=torch.int32), K1, K2)
+    blocks, ids = torch.zeros((2, 2, 4, 16, 8, 64), dtype=torch.bfloat16), torch.zeros(2, dtype=torch.long)
+    block_checksum(blocks, ids, 0, 2, K1, K2)
+    block_checksum(blocks, ids, 0, 2, K1, K2, dst=blocks.clone(), dst_ids=ids)
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for head_dim, heads, kv_heads in ((8, 8, 4), (64, 8, 2), (128, 32, 8)):

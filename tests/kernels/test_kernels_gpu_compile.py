@@ -19,7 +19,7 @@ def test_all_kernels_compile_for_hopper():
     names = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("_")}
     assert names == {
         "_decode_kernel", "_combine_splits_kernel", "_prefill_kernel", "_rotary_kernel", "_write_kv_kernel",
-        "_rotary_write_kv_kernel", "_checksum_kernel",
+        "_rotary_write_kv_kernel", "_checksum_kernel", "_block_checksum_kernel",
         "_rms_norm_kernel", "_act_and_mul_kernel", "_copy_blocks_kernel", "_quantize_kernel",
         "_int8_matmul_kernel", "_gate_up_kernel", "_down_kernel", "_quantize_rows_kernel",
     }
