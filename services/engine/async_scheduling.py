@@ -22,10 +22,11 @@ need no fence: the device runs steps in launch order, so a block freed while ste
 flight is written by a later step only after N+1 is done with it.
 
 Logprobs and prompt logprobs are computed on the device at launch and come back in the same
-copy as the tokens. A step waits for the previous one's tokens (no overlap) only where the host
-needs them first: a sequence whose sampling reads its history on the host (logits processors, a
-grammar; penalties count the token in flight on the device), or a sequence preempted and
-scheduled again.
+copy as the tokens. A sequence whose sampling reads its history on the host (logits processors, a
+grammar; penalties count the token in flight on the device) samples late: step N+1's forward is
+launched, then step N's tokens are collected (the forward runs meanwhile), then step N+1 samples
+with every token on the host. Only a sequence preempted and scheduled again makes a step wait for
+the previous one's tokens before its forward (no overlap).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.prompt_logprobs import PromptScores, score_prompt
-from kvrelay.engine.sampler import Sampled, sample_on_device
+from kvrelay.engine.sampler import Sampled, sample_on_device, to_device
 from kvrelay.engine.scheduler import ScheduledStep
 from kvrelay.engine.sequence import Sequence, Status
 
@@ -57,14 +58,27 @@ class _InFlight:
     ready: torch.cuda.Event | None  # CUDA: recorded after the copies to the host
 
 
+@dataclass
+class _Launched:
+    """A step whose forward is launched and whose sampling is not, yet."""
+
+    step: ScheduledStep
+    logits: torch.Tensor  # of the rows that sample, in sample_idx order
+    sample_idx: list[int]
+    token_src: dict[int, int] | None  # row -> the previous step's sampled row that is its input
+    scores: PromptScores | None
+
+
 class AsyncScheduling:
     """The engine's step with async scheduling; the engine keeps requests, outputs and finishing."""
 
     def __init__(self, engine):
         self.engine = engine
         self.in_flight: _InFlight | None = None
-        # Steps launched while the previous one was in flight, and steps that waited for its tokens.
+        # Steps launched while the previous one was in flight, of those the steps that sampled after
+        # collecting it (late), and steps that waited for its tokens before their forward.
         self.overlapped_steps = 0
+        self.late_sampled_steps = 0
         self.waited_steps = 0
 
     def step(self) -> list[RequestOutput]:
@@ -72,7 +86,8 @@ class AsyncScheduling:
         step = eng.scheduler.schedule()
         prev, self.in_flight = self.in_flight, None
         outputs: list[RequestOutput] = []
-        if prev is not None and (not step.seqs or not self._can_overlap(step, prev)):
+        how = self._overlap(step, prev) if prev is not None and step.seqs else "wait"
+        if prev is not None and how == "wait":
             self.waited_steps += bool(step.seqs)
             outputs = self._collect(prev)  # this step needs the tokens on the host first
             prev = None
@@ -83,24 +98,33 @@ class AsyncScheduling:
         for seq in step.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        self.in_flight = self._launch(step, prev)
+        launched = self._forward(step, prev)
         if prev is not None:
             self.overlapped_steps += 1
+            if how == "late":  # sampling reads the history on the host: collect while the forward runs
+                self.late_sampled_steps += 1
+                outputs = self._collect(prev)
+                prev = None
+        self.in_flight = self._sample(launched, prev)
+        if prev is not None:
             outputs = self._collect(prev)
         return outputs
 
-    def _can_overlap(self, step: ScheduledStep, prev: _InFlight) -> bool:
+    def _overlap(self, step: ScheduledStep, prev: _InFlight) -> str:
+        """How step can run while prev is in flight: "overlap" (forward and sampling before prev's
+        tokens are read), "late" (its sampling needs them on the host), or "wait" (its forward does)."""
+        how = "overlap"
         for seq, n in zip(step.seqs, step.num_new):
+            # A PENDING token is only ever the input of a decode row (not of a recomputed prompt).
+            if seq.token_ids[-1] == PENDING and (n != 1 or seq.num_computed != seq.num_tokens - 1):
+                return "wait"
             # Logits processors and grammars read every earlier token on the host. Penalties do not:
             # they take the token in flight from the device (sampler._adjust's pending).
             if seq.processors or seq.grammar is not None:
-                return False
-            # A PENDING token is only ever the input of a decode row (not of a recomputed prompt).
-            if seq.token_ids[-1] == PENDING and (n != 1 or seq.num_computed != seq.num_tokens - 1):
-                return False
-        return True
+                how = "late"
+        return how
 
-    def _launch(self, step: ScheduledStep, prev: _InFlight | None) -> _InFlight:
+    def _forward(self, step: ScheduledStep, prev: _InFlight | None) -> _Launched:
         eng = self.engine
         token_src = None
         if prev is not None:
@@ -113,14 +137,27 @@ class AsyncScheduling:
         scores = score_prompt(step.seqs, eng.runner.prompt_logits).to_host(blocking=False) if scoring else None
         for seq, n in zip(step.seqs, step.num_new):
             seq.num_computed += n
-        if not sample_idx:
-            return _InFlight(step.seqs, [], [], None, None, scores, _copied(eng.runner.device))
+        return _Launched(step, logits, sample_idx, token_src, scores)
+
+    def _sample(self, f: _Launched, prev: _InFlight | None) -> _InFlight:
+        """prev: still in flight, so each row's input token may be on the device only (penalties
+        count it from there); None: every token is on the host (a late sample, or no overlap)."""
+        eng, step = self.engine, f.step
+        if not f.sample_idx:
+            return _InFlight(step.seqs, [], [], None, None, f.scores, _copied(eng.runner.device))
+        sample_idx, logits = f.sample_idx, f.logits
+        if prev is None and any(step.seqs[i].status is FINISHED for i in sample_idx):
+            # A late sample after the collect that finished these: the synchronous engine never samples them.
+            keep = [j for j, i in enumerate(sample_idx) if step.seqs[i].status is not FINISHED]
+            sample_idx, logits = [sample_idx[j] for j in keep], logits.index_select(0, to_device(keep, logits.device))
+            if not sample_idx:
+                return _InFlight(step.seqs, [], [], None, None, f.scores, _copied(eng.runner.device))
         seqs = [step.seqs[i] for i in sample_idx]
         pending = None
-        if token_src:  # penalties count each sequence's token in flight from the device
+        if f.token_src and prev is not None:  # penalties count each sequence's token in flight from the device
             tokens = prev.on_device
-            pending = {j: tokens[token_src[i]:token_src[i] + 1] for j, i in enumerate(sample_idx)
-                       if seqs[j].adjusts_logits and i in token_src}
+            pending = {j: tokens[f.token_src[i]:f.token_src[i] + 1] for j, i in enumerate(sample_idx)
+                       if seqs[j].adjusts_logits and i in f.token_src}
         sampled = sample_on_device(logits, seqs, wait_free=True, pending=pending)
         slots = []
         for seq in seqs:
@@ -129,7 +166,7 @@ class AsyncScheduling:
             if len(ids) - seq.prompt_len + 1 < seq.max_tokens:  # else it ends by length: nothing to schedule
                 ids.append(PENDING)
         host = sampled.to_host(blocking=False)
-        return _InFlight(step.seqs, seqs, slots, sampled.tokens, host, scores, _copied(eng.runner.device))
+        return _InFlight(step.seqs, seqs, slots, sampled.tokens, host, f.scores, _copied(eng.runner.device))
 
     def _collect(self, f: _InFlight) -> list[RequestOutput]:
         """Step f's tokens into token_ids, its filled blocks into the prefix cache, then outputs."""

@@ -174,11 +174,38 @@ def test_logprobs_and_prompt_logprobs_overlap_and_match_the_synchronous_ones(dev
     assert sync["plain"]["lps"] == [] and sync["plain"]["prompt"] is None
 
 
-def test_a_grammar_still_waits_for_the_tokens():
-    engine = make_engine(BUNDLED_MODEL, async_scheduling=True)
-    _collect(engine, {"g": (PROMPTS[3], SamplingParams(max_tokens=20, temperature=1.0, seed=2, structured=GuidedSpec(
-        "regex", r"(The|A) (cat|dog) (ran|sat)( and (ran|sat)){0,12}\.")))})
-    assert engine.overlap.waited_steps > 0
+def test_grammars_and_logits_processors_sample_late_with_the_synchronous_outputs():
+    """Sequences whose sampling reads their history on the host no longer make steps wait: each
+    step's forward is launched before the previous step's tokens are read, and it samples after
+    them. The processor bans repeating the last token, so a sample that missed it would differ."""
+    def no_repeat(output_ids: list[int], logits: torch.Tensor) -> None:
+        if output_ids:
+            logits[output_ids[-1]] = float("-inf")
+
+    requests = {
+        "grammar": (PROMPTS[3], SamplingParams(max_tokens=30, temperature=1.0, seed=2, n=2, structured=GuidedSpec(
+            "regex", r"(The|A) (cat|dog) (ran|sat)( and (ran|sat)){0,12}\."))),
+        "processed": (PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0)),
+        "plain": (PROMPTS[1], SamplingParams(max_tokens=30, temperature=0.8, seed=4, repetition_penalty=1.2)),
+    }
+    results = []
+    for overlapped in (False, True):
+        engine = make_engine(BUNDLED_MODEL, async_scheduling=overlapped)
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(prompt, params, rid)
+        engine.requests["processed"][0].processors = [no_repeat]
+        out: dict[tuple, list[int]] = {}
+        while engine.has_work():
+            for o in engine.step():
+                out.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+        results.append(out)
+        if overlapped:
+            assert engine.overlap.waited_steps == 0 and engine.overlap.late_sampled_steps >= 25
+        assert not engine.requests
+    sync, overlapped = results
+    assert overlapped == sync
+    ids = sync[("processed", 0)]
+    assert len(ids) == 30 and all(a != b for a, b in zip(ids, ids[1:]))
 
 
 def test_aborts_mid_flight_free_everything_and_leave_the_others_alone():
