@@ -10,7 +10,6 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
 from kvrelay.engine.sequence import Status
 from kvrelay.kvtransfer.chunk_wire import (
     Payload,
@@ -33,7 +32,7 @@ class EngineThreadSide:
     _by_ticket, _source_msg, and _done_message (HandoffSender)."""
 
     _copy_stream: CopyStream | None = None  # made at the first gather from a GPU cache
-    _ringer: ThreadPoolExecutor | None = None  # the CUDA IPC doorbell's rings, made at the first
+    _ringer: ThreadPoolExecutor | None = None  # rings of chunks gathered on the copy stream, made at the first
 
     def _gather(self, h: Handoff, block_table: list[int], lo: int, hi: int) -> list[tuple[ChunkRange, Payload]]:
         ranges = plan_chunks(self.layout, lo, hi, h.num_blocks, h.max_message_bytes, h.first_block)
@@ -47,16 +46,12 @@ class EngineThreadSide:
             cache = self.llm.kv_cache
             out = [(r, payload_pieces(cache, block_table[r.block_start:r.block_end], r.layer_start, r.layer_end))
                    for r in ranges]
-        elif h.doorbell is None or h.cuda_ipc is not None:  # a GPU cache: on the copy stream, the engine thread goes on
+        else:  # a GPU cache: gathered on the copy stream, the engine thread goes on
             if self._copy_stream is None:
                 self._copy_stream = CopyStream(self.llm.device)
             # CUDA IPC: the checksum runs on the GPU, the bytes never leave it.
             out = self._copy_stream.gather(self.llm.ops, self.llm.kv_cache, block_table, ranges,
                                            checksum=h.cuda_ipc is not None)
-        else:  # the shared-memory doorbell rings from this thread with bytes in hand
-            ids = torch.tensor(block_table, dtype=torch.long, device=self.llm.device)
-            out = [(r, self.llm.ops.gather_blocks(self.llm.kv_cache, ids[r.block_start:r.block_end], r.layer_start,
-                                                  r.layer_end).cpu()) for r in ranges]
         h.sent_layers = hi
         h.block_table = block_table
         return out
@@ -120,105 +115,80 @@ class EngineThreadSide:
 
     def _ring(self, h: Handoff, chunks: list[tuple[ChunkRange, Payload]], out=None,
               during_compute: bool = False) -> None:
-        """Engine thread: for each chunk, place it in the region and send its header in a frame
-        on the doorbell, so the decode worker copies one chunk while this thread places the
-        next; PrefillDone (when out, the prefill's last output, is given) goes in the last frame.
-        Never raises: a failure is kept in h.doorbell_error, and _compute reports it on the stream."""
-        if h.cuda_ipc is not None:
-            self._ring_later(h, chunks, out, during_compute)
+        """Engine thread: for each chunk, place it in the region (or name its held blocks) and send
+        its header in a frame on the doorbell, so the decode worker copies one chunk while the next
+        is placed; PrefillDone (when out, the prefill's last output, is given) goes in the last frame.
+
+        Chunks of a GPU cache are still being gathered (or checksummed) on the copy stream, and the
+        compute may still be writing the blocks the decode worker would copy: their frames go from
+        one ringer thread, in order, each once its chunk's event fired, and the engine thread goes
+        on (_compute waits for the last job, h.ring_job). Never raises: a failure is kept in
+        h.doorbell_error, and _compute reports it on the stream."""
+        held = [(r, t, h.block_table[r.block_start:r.block_end]) for r, t in chunks]  # the next gather moves it
+        # CUDA IPC always takes the ringer: the CPU rehearsal of the plane (tests) then runs the GPU's threads.
+        if h.cuda_ipc is None and h.ring_job is None and not any(isinstance(t, PendingChunk) for _, t in chunks):
+            self._ring_frames(h, held, out, during_compute)
             return
-        frames = [[c] for c in chunks] or [[]]
+        if self._ringer is None:
+            self._ringer = ThreadPoolExecutor(1, thread_name_prefix="kvrelay-ring")
+        h.ring_job = self._ringer.submit(self._ring_frames, h, held, out, during_compute)
+
+    def _ring_frames(self, h: Handoff, held: list, out, during_compute: bool) -> None:
+        """One frame per (range, payload, held block ids), PrefillDone in the last; see _ring."""
+        frames = [[c] for c in held] or [[]]
         for i, frame_chunks in enumerate(frames):
             last = i == len(frames) - 1
             if h.doorbell_error is not None or h.lease.released:
                 return
             try:
                 self._ring_one(h, frame_chunks, out if last else None, during_compute)
-            except Exception as e:  # noqa: BLE001 - see the docstring
+            except Exception as e:  # noqa: BLE001 - see _ring
                 log.warning("doorbell hand-off of %s failed: %s", h.lease.request_id, e)
                 h.doorbell_error = e
                 return
             if self.options.debug_chunk_delay_s and not (last and out is not None):
-                time.sleep(self.options.debug_chunk_delay_s)  # fault injection: holds the engine thread
+                time.sleep(self.options.debug_chunk_delay_s)  # fault injection: holds the ringing thread
 
-    def _ring_one(self, h: Handoff, chunks: list[tuple[ChunkRange, Payload]], out, during_compute: bool) -> None:
+    def _ring_one(self, h: Handoff, chunks: list, out, during_compute: bool) -> None:
         if h.send_started_at is None:
             h.send_started_at = time.monotonic()
         frame = kv_pb2.DoorbellFrame(ticket=h.ticket)
-        for r, t in chunks:
-            if h.direct:  # the decode worker copies these blocks out of our cache
-                chunk = chunk_header(self._layout_msg, r, h.lease.num_tokens)
-                chunk.source_block_ids.extend(h.block_table[r.block_start:r.block_end])
+        for r, t, source_ids in chunks:
+            checksum = None
+            if isinstance(t, PendingChunk):  # gathered on the GPU's copy stream
+                t.done.synchronize()
+                t, checksum = t.payload, t.checksum_value()
+            header = chunk_header(self._layout_msg, r, h.lease.num_tokens)
+            if h.cuda_ipc is not None:  # the decode worker copies these blocks over CUDA IPC
+                chunk = self.cuda_ipc.chunk(header, t, source_ids, checksum).chunk
+                size = payload_size(t)
+            elif h.direct:  # the decode worker copies these blocks out of our cache
+                chunk = header
+                chunk.source_block_ids.extend(source_ids)
                 size = payload_size(t)
             else:
-                chunk = place_chunk(chunk_header(self._layout_msg, r, h.lease.num_tokens), t, h.shm,
-                                    h.shm_next).chunk
+                chunk = place_chunk(header, t, h.shm, h.shm_next).chunk
                 size = chunk.shm_size
                 h.shm_next += size
             h.bytes_sent += size
             if during_compute:
                 h.bytes_before_compute_done += size
             frame.chunks.append(chunk)
+        if h.cuda_ipc is not None and chunks:
+            frame.cuda_ipc.CopyFrom(h.cuda_ipc)  # it may overtake the stream's header
         if h.direct and chunks:
             # Ring with the headers first, then hash while the decode worker copies (the two cores
             # overlap: 1.3-1.5x kv_shm_floor.py's direct path), and send the hashes after.
             frame.source.CopyFrom(self._source_msg)
             self._send(h, frame)
             frame = kv_pb2.DoorbellFrame(ticket=h.ticket, checksums=[pieces_checksum(payload_arrays(t))
-                                                                     for _, t in chunks])
+                                                                     for _, t, _ in chunks])
         if out is not None:
             frame.done.CopyFrom(self._done_message(h, out))
             # Before the ring: the decode worker's ack can reach the event loop before this
             # thread runs its next line, and an ack before done is a protocol error.
             h.done_sent = True
         self._send(h, frame)
-
-    def _ring_later(self, h: Handoff, chunks: list[tuple[ChunkRange, Payload]], out, during_compute: bool) -> None:
-        """CUDA IPC: a chunk's frame carries the checksum of its blocks, known only once the copy
-        stream computed it, and the decode worker may copy the blocks only after the compute wrote
-        them. So the frames go from one ringer thread, in order, each once its chunk's event fired,
-        and the engine thread goes on; _compute waits for the last job (h.ring_job)."""
-        if self._ringer is None:
-            self._ringer = ThreadPoolExecutor(1, thread_name_prefix="kvrelay-ipc-ring")
-        held = [(r, t, h.block_table[r.block_start:r.block_end]) for r, t in chunks]  # the next gather moves it
-        h.ring_job = self._ringer.submit(self._ring_ipc, h, held, out, during_compute)
-
-    def _ring_ipc(self, h: Handoff, held: list, out, during_compute: bool) -> None:
-        """Ringer thread: one frame per chunk (its held blocks, GPU checksum and the cache's handle),
-        PrefillDone in the last. Never raises, as _ring."""
-        items = held or ([None] if out is not None else [])
-        for i, item in enumerate(items):
-            last = i == len(items) - 1
-            if h.doorbell_error is not None or h.lease.released:
-                return
-            try:
-                frame = kv_pb2.DoorbellFrame(ticket=h.ticket)
-                if item is not None:
-                    r, t, source_ids = item
-                    checksum = None
-                    if isinstance(t, PendingChunk):  # gathered on the GPU's copy stream
-                        t.done.synchronize()
-                        t, checksum = t.payload, t.checksum_value()
-                    chunk = self.cuda_ipc.chunk(chunk_header(self._layout_msg, r, h.lease.num_tokens), t, source_ids,
-                                                checksum).chunk
-                    frame.chunks.append(chunk)
-                    frame.cuda_ipc.CopyFrom(h.cuda_ipc)
-                    size = payload_size(t)
-                    h.bytes_sent += size
-                    if during_compute:
-                        h.bytes_before_compute_done += size
-                if h.send_started_at is None:
-                    h.send_started_at = time.monotonic()
-                if last and out is not None:
-                    frame.done.CopyFrom(self._done_message(h, out))
-                    h.done_sent = True  # before the ring, as in _ring_one
-                self._send(h, frame)
-            except Exception as e:  # noqa: BLE001 - see the docstring
-                log.warning("CUDA IPC doorbell hand-off of %s failed: %s", h.lease.request_id, e)
-                h.doorbell_error = e
-                return
-            if self.options.debug_chunk_delay_s and not (last and out is not None):
-                time.sleep(self.options.debug_chunk_delay_s)  # fault injection
 
     def _send(self, h: Handoff, frame: kv_pb2.DoorbellFrame) -> None:
         if not h.doorbell.ring(frame):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import pytest
 import torch
@@ -205,7 +206,7 @@ def test_grammars_and_logits_processors_sample_late_with_the_synchronous_outputs
     sync, overlapped = results
     assert overlapped == sync
     ids = sync[("processed", 0)]
-    assert len(ids) == 30 and all(a != b for a, b in zip(ids, ids[1:]))
+    assert len(ids) == 30 and all(a != b for a, b in itertools.pairwise(ids))
 
 
 def test_aborts_mid_flight_free_everything_and_leave_the_others_alone():

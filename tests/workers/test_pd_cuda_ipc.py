@@ -337,8 +337,9 @@ def test_copy_stream_gathers_after_the_queued_writes_without_waiting_for_them(ch
 
 @cuda
 @pytest.mark.parametrize("plane,doorbell,corrupt", [("cuda-ipc", True, False), ("cuda-ipc", False, False),
-                                                    ("cuda-ipc", True, True), ("grpc", False, False)],
-                         ids=["parity_doorbell", "parity_stream", "corrupted_copy", "inline_grpc"])
+                                                    ("cuda-ipc", True, True), ("grpc", False, False),
+                                                    ("shm", True, False)],
+                         ids=["parity_doorbell", "parity_stream", "corrupted_copy", "inline_grpc", "shm_doorbell"])
 async def test_cuda_ipc_on_gpu_equals_single_process(tmp_path, plane, doorbell, corrupt):
     """Both workers in this process on one GPU (the handle opens as the exported tensor): greedy
     and seeded with layer streaming, then a prefix hit; with the copy's source changed, every
@@ -346,15 +347,16 @@ async def test_cuda_ipc_on_gpu_equals_single_process(tmp_path, plane, doorbell, 
     the prefill worker's ringer thread once the copy stream's checksum is in, and the decode
     worker's doorbell thread copies on the default stream (the default; parity_stream: the chunk
     messages on gRPC). inline_grpc: the K/V of a GPU cache through pinned host memory from the
-    copy stream, on gRPC."""
+    copy stream, on gRPC. shm_doorbell: the same pinned copies placed in the shared-memory region
+    and rung from the ringer thread (the engine thread never waits for them)."""
     from kvrelay.decode.worker import DecodeWorker
     from kvrelay.prefill.worker import PrefillWorker
 
     popts = WorkerOptions(stream_min_tokens=0, layer_group_size=2)
     args = {"device": "cuda", "num_kv_blocks": 96}
     p = PrefillWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), popts)
-    dopts = WorkerOptions(kv_transport=None if plane == "grpc" else plane, kv_doorbell=doorbell,
-                          kv_shm_dir=str(tmp_path))
+    dopts = WorkerOptions(kv_transport=plane if plane == "cuda-ipc" else None, kv_doorbell=doorbell,
+                          kv_shm_dir=str(tmp_path), kv_shm_bytes=64 << 20 if plane == "shm" else 0)
     d = DecodeWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)), dopts)
     pp, dp = await p.start(), await d.start()
     if corrupt:
@@ -376,7 +378,7 @@ async def test_cuda_ipc_on_gpu_equals_single_process(tmp_path, plane, doorbell, 
         moved = d.metrics.kv_plane_bytes.labels(plane)._value.get()
         if corrupt:
             assert failures == len(runs) == d.metrics.fallbacks.labels("local")._value.get()
-        elif plane == "grpc":
+        elif plane != "cuda-ipc":
             assert failures == 0 and moved > 0 and d.metrics.fallbacks.labels("local")._value.get() == 0
         else:
             assert failures == 0 and moved > 0 and p.metrics.plane_handoffs.labels("cuda-ipc")._value.get() == 3
