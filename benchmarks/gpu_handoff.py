@@ -102,6 +102,21 @@ async def _run(rep, model_dir: Path, vocab: int, device: str, smoke: bool, engin
                         f"{nbytes / repeats / 1e6:.2f} MB at {speed:.2f} GB/s, identical: {same}; per hand-off: "
                         f"prefill compute {compute_ms:.1f} ms, transfer {transfer_ms:.2f} ms, TTFT beyond the "
                         f"compute {beyond_ms:.1f} ms")
+        # Where the TTFT goes, hop by hop, at the longest prompt (handoff_trace.py).
+        from handoff_trace import Tracer
+
+        for mode in ("cuda-ipc", "cuda-ipc-stream"):
+            tracer = Tracer()
+            with tracer.installed():
+                for _ in range(max(3, repeats)):
+                    p = [rng.randrange(3, vocab) for _ in range(lengths[-1])]
+                    started = tracer.start()
+                    t, _ = await _ttft(clients[mode], p, paddr)
+                    tracer.record(started, t)
+            stages = tracer.medians()
+            rep.add(f"handoff_trace_{mode}_{lengths[-1]}", dict(stages),
+                    f"hand-off {lengths[-1]} tokens over {mode}, stages (median ms from the client's call): "
+                    + "; ".join(f"{label} {ms:.2f}" for label, ms in stages))
         ipc = decodes["cuda-ipc"].transport.cuda_ipc
         failures = {m: sum(s.value for metric in d.metrics.failures.collect() for s in metric.samples
                            if s.name.endswith("_total")) for m, d in decodes.items()}
