@@ -7,7 +7,8 @@ its engine thread: about 2 ms of a 128-token hand-off whose bytes take 0.6 ms to
 (benchmarks/kv_shm_floor.py). The doorbell is a Unix socket beside the decode worker's arena:
 
 - the prefill worker's engine thread places chunks in the region and rings (DoorbellFrame:
-  their headers, and PrefillDone on the last frame) right after the step that produced them;
+  their headers, and PrefillDone on the last frame) right after the step that produced them (for
+  a GPU cache, a ringer thread does, once the copy stream has the chunk in pinned memory);
 - a thread of the decode worker reads the frame, verifies it and copies the chunks into the
   reserved blocks itself (LLMEngine.write_reserved: no hop to the engine thread, and an abort
   waits for the copy), then acks on the socket (DoorbellAck) once the last frame's chunks are in;

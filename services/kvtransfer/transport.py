@@ -336,8 +336,9 @@ class GrpcKVTransport(KVTransport):
 
     async def _await_doorbell(self, call, attempt: _Attempt, verifier: ChunkVerifier,
                               request: HandoffRequest, plane: str) -> HandoffResult:
-        """The chunks and PrefillDone come on the doorbell, written on the engine thread; the
-        stream can only end the hand-off early (aborted, closed, broken)."""
+        """The chunks and PrefillDone come on the doorbell (from the prefill worker's engine or
+        ringer thread, written by this worker's doorbell thread); the stream can only end the
+        hand-off early (aborted, closed, broken)."""
         h = attempt.doorbell
         attempt.watcher = asyncio.create_task(_watch_stream(call, h))
         done = await h.future

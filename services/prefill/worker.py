@@ -9,9 +9,11 @@ first token is out. Both gathers run on the engine thread, which owns the cache;
 never written (they may be shared with the prefix cache), only read while held.
 
 Doorbell (same node, kvrelay.kvtransfer.doorbell): when the decode worker offers a shared-memory
-region and a doorbell socket this worker can reach, the engine thread itself places each chunk
-in the region and rings, in the layer hook and right after the step that samples the first
-token (AsyncEngine.after_step); the event loop then only waits for the ack, an abort, or the end.
+region (or the CUDA IPC plane) and a doorbell socket this worker can reach, the engine thread
+itself places each chunk in the region and rings, in the layer hook and right after the step that
+samples the first token (AsyncEngine.after_step); chunks still on a GPU's copy stream are rung by
+a ringer thread once they are ready. The event loop then only waits for the ack, an abort, or
+the end.
 
 This module handles the requests (RPCs, compute, leases, release); the stream sender is in
 sender.py (HandoffSender), the layer hook, gathers and doorbell rings in engine_side.py
