@@ -37,7 +37,7 @@ from kvrelay.kvtransfer.layout import DirectChunk, ReceivedChunk
 from kvrelay.kvtransfer.planes import BUILTIN as BUILTIN_PLANES
 from kvrelay.kvtransfer.planes import builtin_transport
 from kvrelay.kvtransfer.prompt_logprobs_wire import DECODE_HOP, check_prompt_logprobs_fit
-from kvrelay.kvtransfer.shm import DOORBELL_SUFFIX, DoorbellAnchor, ShmArena, SourceCaches
+from kvrelay.kvtransfer.shm import LockedFile, ShmArena, SourceCaches, doorbell_path
 from kvrelay.kvtransfer.status import abort_with
 from kvrelay.kvtransfer.transport import GrpcKVTransport, HandoffRequest, KVDestination, KVTransport
 from kvrelay.kvtransfer.transport_plugins import plugin_transport
@@ -86,7 +86,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         self._requests: dict[str, _Request] = {}
 
     def _open_doorbell(self, beside: Path) -> DoorbellServer | None:
-        path = beside.with_name(beside.name + DOORBELL_SUFFIX)
+        path = doorbell_path(beside)
         try:
             return DoorbellServer(path)
         except OSError as e:  # e.g. a path over the 107-byte limit of Unix sockets
@@ -97,7 +97,7 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         """The CUDA IPC plane's doorbell: a socket beside an empty locked file in --kv-shm-dir (with
         hostIPC, /dev/shm is the node's, where the prefill pods see it too)."""
         try:
-            self.anchor = DoorbellAnchor(self.options.kv_shm_dir)
+            self.anchor = LockedFile(self.options.kv_shm_dir)
         except OSError as e:
             log.warning("no doorbell in %s (%s): CUDA IPC hand-offs signal over gRPC", self.options.kv_shm_dir, e)
             return None

@@ -143,15 +143,13 @@ class AsyncScheduling:
         """prev: still in flight, so each row's input token may be on the device only (penalties
         count it from there); None: every token is on the host (a late sample, or no overlap)."""
         eng, step = self.engine, f.step
-        if not f.sample_idx:
-            return _InFlight(step.seqs, [], [], None, None, f.scores, _copied(eng.runner.device))
         sample_idx, logits = f.sample_idx, f.logits
         if prev is None and any(step.seqs[i].status is FINISHED for i in sample_idx):
             # A late sample after the collect that finished these: the synchronous engine never samples them.
             keep = [j for j, i in enumerate(sample_idx) if step.seqs[i].status is not FINISHED]
             sample_idx, logits = [sample_idx[j] for j in keep], logits.index_select(0, to_device(keep, logits.device))
-            if not sample_idx:
-                return _InFlight(step.seqs, [], [], None, None, f.scores, _copied(eng.runner.device))
+        if not sample_idx:
+            return _InFlight(step.seqs, [], [], None, None, f.scores, _copied(eng.runner.device))
         seqs = [step.seqs[i] for i in sample_idx]
         pending = None
         if f.token_src and prev is not None:  # penalties count each sequence's token in flight from the device

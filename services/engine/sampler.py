@@ -47,11 +47,12 @@ def _adjust(row: torch.Tensor, seq: Sequence, pending: torch.Tensor | None = Non
         apply_processors(seq.processors, seq.output_ids, row)
 
 
-def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small host list on the device without waiting for the device: a blocking host-to-device
-    copy would wait for everything queued on the stream (an overlapped step's forward). Pinned, so
-    the driver need not stage it; torch's pinned-memory cache keeps it until the copy has run."""
-    t = torch.tensor(values, dtype=dtype)
+def to_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list (or CPU tensor) on the device without waiting for the device: a blocking
+    host-to-device copy would wait for everything queued on the stream (an overlapped step's
+    forward). Pinned, so the driver need not stage it; torch's pinned-memory cache keeps it until
+    the copy has run."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)

@@ -82,8 +82,8 @@ def fused_copy(source: torch.Tensor, cache: torch.Tensor) -> bool:
     them into cache): both on one GPU, contiguous, blocks of whole 32-bit words."""
     from kvrelay.kernels.triton_checksum import block_words
 
-    return (source.is_cuda and source.device == cache.device and block_words(source) is not None
-            and block_words(source) == block_words(cache))
+    words = block_words(source)
+    return source.is_cuda and source.device == cache.device and words is not None and words == block_words(cache)
 
 
 class IpcChunk(DirectChunk):

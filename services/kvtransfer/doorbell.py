@@ -15,7 +15,7 @@ its engine thread: about 2 ms of a 128-token hand-off whose bytes take 0.6 ms to
 - a thread of the prefill worker reads the ack and hands it to the hand-off.
 
 The CUDA IPC plane (kvrelay.kvtransfer.cuda_ipc) rings the same way, from a decode worker's
-socket beside an empty locked file (shm.DoorbellAnchor) instead of an arena: its frames carry the
+socket beside an empty locked file (shm.LockedFile) instead of an arena: its frames carry the
 headers with each chunk's held blocks and GPU checksum, and the cache's IPC handle; the decode
 worker's thread copies device to device and checks before it acks.
 

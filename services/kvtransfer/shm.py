@@ -69,18 +69,19 @@ class ShmArena:
     def __init__(self, size: int, directory: str | Path = "/dev/shm"):
         if size <= DATA_START:
             raise ValueError(f"shared-memory arena of {size} B is too small: it needs more than {DATA_START} B")
-        self.removed_stale = remove_stale_arenas(directory)
         self.size = size
         self.nonce = secrets.token_bytes(NONCE_BYTES)
+        file = None
         try:
             # Every page now: a sparse file on a full tmpfs would SIGBUS on first touch.
-            self.path, self._lock_fd = create_locked(directory, lambda fd: os.posix_fallocate(fd, 0, size))
-            self._map = mmap.mmap(self._lock_fd, size, flags=_MAP_FLAGS)
+            file = LockedFile(directory, lambda fd: os.posix_fallocate(fd, 0, size))
+            self._map = mmap.mmap(file.fd, size, flags=_MAP_FLAGS)
         except OSError as e:
-            if getattr(self, "_lock_fd", None) is not None:
-                self.close()
+            if file is not None:
+                file.close()
             raise OSError(f"cannot reserve a {size} B shared-memory arena in {directory}: {e.strerror}; lower "
                           f"--kv-shm-bytes or mount a bigger memory-backed directory (--kv-shm-dir)") from e
+        self.file, self.path, self.removed_stale = file, file.path, file.removed_stale
         self._map[:NONCE_BYTES] = self.nonce
         self.view = np.frombuffer(self._map, dtype=np.uint8)
         self._free: list[tuple[int, int]] = [(DATA_START, size - DATA_START)]  # (offset, size), sorted
@@ -121,50 +122,43 @@ class ShmArena:
 
     def close(self) -> None:
         """Unlink the file; mappings (ours, a prefill worker's) stay valid until unmapped."""
-        self.path.unlink(missing_ok=True)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self.file.close()
 
 
-def create_locked(directory: str | Path, prepare=None) -> tuple[Path, int]:
-    """A new file in directory named PREFIX + pid + random, and its descriptor, which holds an
-    exclusive flock until it is closed or the process dies (remove_stale_arenas deletes it after
-    that). It is created under another name and locked before it gets this one, so a sweep never
-    sees it unlocked; prepare(fd), if given, runs before the rename."""
-    name = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    path, creating = Path(directory) / f"{PREFIX}{name}", Path(directory) / f"{CREATING_PREFIX}{name}"
-    fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if prepare is not None:
-            prepare(fd)
-        os.rename(creating, path)
-    except OSError:
-        os.close(fd)
-        creating.unlink(missing_ok=True)
-        raise
-    return path, fd
+class LockedFile:
+    """A new file PREFIX + pid + random in directory whose descriptor (fd) holds an exclusive flock
+    until close() or the process's death; after that remove_stale_arenas deletes it and its doorbell
+    socket. Creating one first sweeps the files of workers that are gone (removed_stale). It is
+    created under another name and locked before it gets this one, so a sweep never sees it
+    unlocked; prepare(fd), if given, runs before the rename. An arena's file; alone (empty), the
+    anchor of the CUDA IPC plane's doorbell socket, which has no arena beside it."""
 
-
-class DoorbellAnchor:
-    """Decode side without an arena (the CUDA IPC plane): an empty locked file whose path plus
-    DOORBELL_SUFFIX is the doorbell socket, so the socket is swept like an arena's once its
-    decode worker is gone."""
-
-    def __init__(self, directory: str | Path = "/dev/shm"):
+    def __init__(self, directory: str | Path = "/dev/shm", prepare=None):
         self.removed_stale = remove_stale_arenas(directory)
-        self.path, self._lock_fd = create_locked(directory)
-
-    @property
-    def doorbell_path(self) -> Path:
-        return self.path.with_name(self.path.name + DOORBELL_SUFFIX)
+        name = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        path, creating = Path(directory) / f"{PREFIX}{name}", Path(directory) / f"{CREATING_PREFIX}{name}"
+        fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if prepare is not None:
+                prepare(fd)
+            os.rename(creating, path)
+        except OSError:
+            os.close(fd)
+            creating.unlink(missing_ok=True)
+            raise
+        self.path, self.fd = path, fd
 
     def close(self) -> None:
         self.path.unlink(missing_ok=True)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def doorbell_path(beside: Path) -> Path:
+    """The doorbell socket of an arena or LockedFile: its path plus DOORBELL_SUFFIX."""
+    return beside.with_name(beside.name + DOORBELL_SUFFIX)
 
 
 def remove_stale_arenas(directory: str | Path) -> list[Path]:
@@ -195,7 +189,7 @@ def remove_stale_arenas(directory: str | Path) -> list[Path]:
             # arena is locked before it gets its name).
             path.unlink(missing_ok=True)
             removed.append(path)
-            doorbell = path.with_name(path.name + DOORBELL_SUFFIX)
+            doorbell = doorbell_path(path)
             if doorbell.exists():
                 doorbell.unlink(missing_ok=True)
                 removed.append(doorbell)

@@ -6,8 +6,9 @@ while the GPU is still computing. A gather on the compute stream followed by a c
 device-to-host copy in line with the compute. Here the copy stream waits for the writes queued so
 far (an event, not the host), gathers the blocks, and copies them into pinned host memory (the
 inline, shared-memory and Mooncake planes); for the CUDA IPC plane it gathers nothing, computes
-the device checksum straight from the blocks (block_checksum) and copies that one number back. An event recorded after each chunk tells the sender
-when it is ready; the engine thread goes on launching the next layers meanwhile.
+the device checksum straight from the blocks (block_checksum) and copies that one number back.
+An event recorded after each chunk tells the sender (or the doorbell's ringer thread) when it is
+ready; the engine thread goes on launching the next layers meanwhile.
 
 Buffers allocated here are used on the copy stream only, so the caching allocator may reuse them
 once they are dropped without further fencing.
@@ -47,7 +48,7 @@ class CopyStream:
 
     def gather(self, ops, kv_cache: torch.Tensor, block_table: list[int], ranges: list, checksum: bool) -> list:
         """[(range, PendingChunk)] of ops.gather_blocks for each ChunkRange, ordered after the work
-        queued on the current stream; checksum: CUDA IPC (the payload stays on the GPU)."""
+        queued on the current stream; checksum: CUDA IPC (the checksum comes back, the bytes stay)."""
         from kvrelay.kernels.triton_checksum import block_checksum, block_words
 
         self.stream.wait_stream(torch.cuda.current_stream(self.device))

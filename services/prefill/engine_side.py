@@ -1,8 +1,8 @@
 """The prefill worker's engine-thread side (mixed into PrefillWorker): the model's layer hook that
 streams finished layer groups during the prompt's last step, the gather of the held blocks that
 were not streamed, and the doorbell rings (chunks and PrefillDone placed and signalled straight
-from the engine thread, AsyncEngine.after_step; on the CUDA IPC plane from a ringer thread once
-the GPU has the chunk). Nothing here may raise into the engine."""
+from the engine thread, AsyncEngine.after_step; a GPU cache's chunks, and the CUDA IPC plane's,
+from a ringer thread once they are ready). Nothing here may raise into the engine."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ class Handoff:
     doorbell: DoorbellConn | None = None  # set: chunks and done go on the decode worker's doorbell
     ticket: bytes = b""  # the hand-off's name on the doorbell
     doorbell_error: Exception | None = None  # a ring failed (engine thread): the hand-off fails
-    ring_job: concurrent.futures.Future | None = None  # CUDA IPC: the last rings queued on the ringer thread
+    ring_job: concurrent.futures.Future | None = None  # the last rings queued on the ringer thread (engine_side)
     client_request_id: str = ""  # the client's X-Request-Id, from the decode worker's call metadata
     direct: bool = False  # the decode worker copies the blocks out of this worker's shared cache
     remote: RemoteTarget | None = None  # set: chunks' bytes go into the decode worker's transfer-engine region

@@ -236,7 +236,7 @@ class PrefillWorker(HandoffSender, EngineThreadSide, WorkerBase, prefill_pb2_grp
             with self._lock:
                 self._streaming.pop(lease.lease_id, None)
             if h.doorbell is not None:  # the step's after_step hook rang with the rest and done
-                if h.ring_job is not None:  # CUDA IPC: rung from the ringer thread once the GPU is done
+                if h.ring_job is not None:  # rung from the ringer thread once the GPU had the chunks
                     await asyncio.wrap_future(h.ring_job)
                 if h.doorbell_error is not None or not h.done_sent:
                     raise h.doorbell_error or EngineDeadError("the prefill's last step rang no doorbell")

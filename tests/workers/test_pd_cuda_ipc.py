@@ -24,7 +24,7 @@ from kvrelay.kvtransfer.cuda_ipc import CudaIpcExport, CudaIpcSources, IpcChunk,
 from kvrelay.kvtransfer.errors import ChunkError
 from kvrelay.kvtransfer.layout import ChunkRange, ChunkVerifier, KVLayout, chunk_header
 from kvrelay.kvtransfer.metrics import WorkerMetrics
-from kvrelay.kvtransfer.shm import DOORBELL_SUFFIX, DoorbellAnchor
+from kvrelay.kvtransfer.shm import LockedFile, doorbell_path
 from kvrelay.kvtransfer.worker_base import WorkerOptions
 from kvrelay.v1 import kv_pb2
 from pd_helpers import (
@@ -284,21 +284,21 @@ async def test_broken_ipc_doorbell_fails_over_the_stream_and_strands_nothing(mon
 
 def test_ipc_doorbell_of_a_killed_decode_worker_is_swept_by_the_next_one(tmp_path):
     """Without an arena, the CUDA IPC plane's socket sits beside an empty locked file
-    (DoorbellAnchor): after kill -9 the next decode worker in the directory deletes both."""
-    code = ("import sys, time; from kvrelay.kvtransfer.shm import DoorbellAnchor; "
-            "from kvrelay.kvtransfer.doorbell import DoorbellServer; a = DoorbellAnchor(sys.argv[1]); "
-            "DoorbellServer(a.doorbell_path); print(a.path, flush=True); time.sleep(120)")
+    (LockedFile): after kill -9 the next decode worker in the directory deletes both."""
+    code = ("import sys, time; from kvrelay.kvtransfer.shm import LockedFile, doorbell_path; "
+            "from kvrelay.kvtransfer.doorbell import DoorbellServer; a = LockedFile(sys.argv[1]); "
+            "DoorbellServer(doorbell_path(a.path)); print(a.path, flush=True); time.sleep(120)")
     owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         dead = Path(owner.stdout.readline().strip())
-        live = DoorbellAnchor(tmp_path)
+        live = LockedFile(tmp_path)
         assert live.removed_stale == [] and dead.exists()  # its owner holds the lock
     finally:
         owner.kill()
         owner.wait()
-    dead_sock = dead.with_name(dead.name + DOORBELL_SUFFIX)
+    dead_sock = doorbell_path(dead)
     assert dead_sock.exists()
-    again = DoorbellAnchor(tmp_path)
+    again = LockedFile(tmp_path)
     assert again.removed_stale == [dead, dead_sock] and live.path.exists()
     for a in (live, again):
         a.close()

@@ -100,12 +100,16 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, 
     # applier) with its compiler toolchain and slow first call.
     width = min(vocab, grammar_vocab)
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little").reshape(len(rows), -1)[:, :width]
+    # Imported here: the sampler imports this module. Its pinned, non-blocking copies do not wait for
+    # the forward that async scheduling launched right before sampling a grammar's row.
+    from kvrelay.engine.sampler import to_device
+
     leading = rows == list(range(len(rows)))
-    target = logits[: len(rows)] if leading else logits.index_select(0, _to(torch.tensor(rows), logits.device))
+    target = logits[: len(rows)] if leading else logits.index_select(0, to_device(rows, logits.device))
     if target.is_cpu:  # numpy's single-threaded fill: torch's masked_fill_ is ~2x slower here on 2 cores
         np.copyto(target.numpy()[:, :width], -np.inf, where=bits == 0)
     else:
-        target[:, :width].masked_fill_(_to(torch.from_numpy(bits == 0), target.device), float("-inf"))
+        target[:, :width].masked_fill_(to_device(torch.from_numpy(bits == 0), target.device), float("-inf"))
     if vocab > width:  # the model's padded vocabulary: ids past the tokenizer's are never text
         target[:, width:] = float("-inf")
     if suspect or not bool(bitmask.any(dim=1).all()):
@@ -117,10 +121,4 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, 
             else:  # nothing can end it either: leave the row unconstrained rather than sample from nothing
                 target[k] = logits[rows[k]]
     if not leading:
-        logits.index_copy_(0, _to(torch.tensor(rows), logits.device), target)
-
-
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """t on device without the host waiting for the device: a pageable copy would wait for the
-    forward still running (async scheduling samples a grammar's row after launching it)."""
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+        logits.index_copy_(0, to_device(rows, logits.device), target)
