@@ -8,6 +8,12 @@ with the plane's transfer speed (decode side: first chunk received to last chunk
 whether every answer matches unified. Targets (issue 21): the CUDA IPC plane at 100 GB/s or more,
 and at most +10% over unified TTFT at 2048 and 4000 tokens.
 
+Under load (rows handoff_loaded_*): the same TTFT at the longest prompt while the decode worker
+runs a batch of other requests' decode steps, as a decode worker in production does. Unified, the
+prompt joins that batch as a mixed step; disaggregated, the decode worker's reservation and
+activation each wait for the step in flight. `cuda-ipc-reserve-first` (--no-kv-early-start)
+reserves before it asks the prefill worker to start, the early start's baseline.
+
 On CPU (--cpu-smoke) the plane cannot open, so the CUDA IPC workers are wired as the tests do it:
 the prefill worker answers as a GPU one would, and the decode worker opens the handle as the
 prefill worker's CPU cache. Everything but the device copy is then the real protocol, which
@@ -55,9 +61,10 @@ async def _run(rep, model_dir: Path, vocab: int, device: str, smoke: bool, engin
     decodes = {"unified": DecodeWorker(engine(), WorkerOptions(max_message_bytes=big)),
                "grpc": DecodeWorker(engine(), WorkerOptions(max_message_bytes=big)),
                "cuda-ipc": DecodeWorker(engine(), ipc_opts),
-               "cuda-ipc-stream": DecodeWorker(engine(), dataclasses.replace(ipc_opts, kv_doorbell=False))}
+               "cuda-ipc-stream": DecodeWorker(engine(), dataclasses.replace(ipc_opts, kv_doorbell=False)),
+               "cuda-ipc-reserve-first": DecodeWorker(engine(), dataclasses.replace(ipc_opts, kv_early_start=False))}
     if device == "cpu":
-        _cpu_ipc_protocol(prefill, decodes["cuda-ipc"], decodes["cuda-ipc-stream"])
+        _cpu_ipc_protocol(prefill, *(d for m, d in decodes.items() if m.startswith("cuda-ipc")))
     paddr = f"127.0.0.1:{await prefill.start()}"
     clients = {name: DecodeClient(f"127.0.0.1:{await d.start()}") for name, d in decodes.items()}
     lengths = (32, 100) if smoke else (512, 2048, 4000)
@@ -84,7 +91,7 @@ async def _run(rep, model_dir: Path, vocab: int, device: str, smoke: bool, engin
                                        s + d.metrics.kv_seconds._sum.get() - before[1])
             med = {m: statistics.median(v) for m, v in times.items()}
             same = all(answers[m] == answers["unified"] for m in answers)
-            for mode in ("grpc", "cuda-ipc", "cuda-ipc-stream"):
+            for mode in [m for m in decodes if m != "unified"]:
                 nbytes, seconds = moved[mode]
                 speed = nbytes / seconds / 1e9 if seconds else 0.0
                 # Where the TTFT goes, per hand-off on average: the prefill worker's queue + compute, the
@@ -117,6 +124,7 @@ async def _run(rep, model_dir: Path, vocab: int, device: str, smoke: bool, engin
             rep.add(f"handoff_trace_{mode}_{lengths[-1]}", dict(stages),
                     f"hand-off {lengths[-1]} tokens over {mode}, stages (median ms from the client's call): "
                     + "; ".join(f"{label} {ms:.2f}" for label, ms in stages))
+        await _under_load(rep, clients, decodes, paddr, lengths[-1], vocab, rng, smoke, repeats)
         ipc = decodes["cuda-ipc"].transport.cuda_ipc
         failures = {m: sum(s.value for metric in d.metrics.failures.collect() for s in metric.samples
                            if s.name.endswith("_total")) for m, d in decodes.items()}
@@ -132,6 +140,60 @@ async def _run(rep, model_dir: Path, vocab: int, device: str, smoke: bool, engin
         await prefill.stop(0)
         for d in decodes.values():
             await d.stop(0)
+
+
+async def _under_load(rep, clients, decodes, paddr: str, n: int, vocab: int, rng, smoke: bool, repeats: int) -> None:
+    """TTFT of an n-token prompt while the decode worker decodes a batch of other requests (one
+    mode at a time: the modes share the GPU), traced hop by hop when disaggregated."""
+    from handoff_trace import Tracer
+
+    batch = 8 if smoke else 64
+    for mode in ("unified", "cuda-ipc", "cuda-ipc-reserve-first"):
+        client, engine = clients[mode], decodes[mode].engine
+        tasks = await _start_decoding(client, batch, vocab, rng, engine.engine.max_model_len)
+        # The background's outputs would pass for the traced request's first output: not traced.
+        tracer = Tracer(exclude={"decode: first output"})
+        times = []
+        try:
+            for i in range(repeats + 1):  # the first warms the path under load
+                p = [rng.randrange(3, vocab) for _ in range(n)]
+                with tracer.installed():
+                    started_at = tracer.start()
+                    t, _ = await _ttft(client, p, None if mode == "unified" else paddr)
+                if i:
+                    times.append(t)
+                    tracer.record(started_at, t)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        med, step_ms = statistics.median(times) * 1e3, engine.mean_step_s * 1e3
+        stages = tracer.medians()
+        rep.add(f"handoff_loaded_{mode}_{n}", {"ttft_ms": med, "decode_batch": batch, "mean_step_ms": step_ms,
+                                                "stages": dict(stages)},
+                f"hand-off {n} tokens under load ({batch} requests decoding, mean step {step_ms:.1f} ms) over "
+                f"{mode}: TTFT {med:.1f} ms" + ("" if mode == "unified" else "; stages (median ms): " + "; ".join(
+                    f"{label} {ms:.2f}" for label, ms in stages)))
+
+
+async def _start_decoding(client, batch: int, vocab: int, rng, max_model_len: int) -> list[asyncio.Task]:
+    """batch requests decoding on the client's worker (local prefill), once each has its first token."""
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=min(2000, max_model_len - 65), ignore_eos=True)
+    decoding: set[int] = set()
+    all_decoding = asyncio.Event()
+
+    async def decode(k: int, prompt: list[int]) -> None:
+        async for out in client.generate(prompt, params):
+            if out.new_token_ids and k not in decoding:
+                decoding.add(k)
+                if len(decoding) == batch:
+                    all_decoding.set()
+
+    tasks = [asyncio.create_task(decode(k, [rng.randrange(3, vocab) for _ in range(64)])) for k in range(batch)]
+    await asyncio.wait_for(all_decoding.wait(), 120)
+    return tasks
 
 
 def _cpu_ipc_protocol(prefill, *decodes) -> None:

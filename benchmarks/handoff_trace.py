@@ -3,8 +3,9 @@
 For a few traced requests, the methods that mark each stage of a hand-off are wrapped to record
 when they are entered and left (time.perf_counter(), one clock: every worker is in this process).
 Each stage's median is printed in ms from the client's call, so "TTFT beyond the compute" can be
-read hop by hop: the decode side's reservation, the prefill stream's start, the prefill step,
-the rings, the decode side's copy and check, the activation and the first output. (The prefill
+read hop by hop: the decode side's pull and reservation (side by side with an early start), the
+prefill stream's start, the prefill step, the rings, the decode side's copy and check, the
+activation and the first output. (The prefill
 step's end is the first ring's start: its after_step hook is bound before tracing.) The wrappers
 cost a few microseconds per stage and are removed after the traced requests.
 """
@@ -20,7 +21,8 @@ import time
 # (module, class or None, function, label, exits): its first entry ">" and, if exits, its last
 # exit "<" (the prefill worker rings once per streamed layer group, then once more).
 STAGES = (
-    ("kvrelay.decode.worker", "DecodeWorker", "_load_kv", "decode: reserved, pull", True),
+    ("kvrelay.decode.worker", "DecodeWorker", "_load_kv", "decode: pull", True),
+    ("kvrelay.engine.llm_engine", "LLMEngine", "reserve", "decode: reserve", True),
     ("kvrelay.kvtransfer.transport", "GrpcKVTransport", "_run", "decode: hand-off stream", True),
     ("kvrelay.prefill.worker", "PrefillWorker", "_compute", "prefill: compute", True),
     ("kvrelay.prefill.engine_side", "EngineThreadSide", "_ring_frames", "prefill: ring", True),
@@ -31,7 +33,8 @@ STAGES = (
 
 
 class Tracer:
-    def __init__(self):
+    def __init__(self, exclude: set[str] = frozenset()):
+        self.stages = [stage for stage in STAGES if stage[3] not in exclude]  # by label
         self.events: list[tuple[str, float]] = []
         self.rows: list[dict[str, float]] = []
 
@@ -40,7 +43,7 @@ class Tracer:
         import importlib
 
         undo = []
-        for module, cls, name, label, exits in STAGES:
+        for module, cls, name, label, exits in self.stages:
             owner = importlib.import_module(module)
             if cls is not None:
                 owner = getattr(owner, cls)

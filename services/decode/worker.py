@@ -22,6 +22,7 @@ import torch
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.block_pool import NoFreeBlocksError
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError
+from kvrelay.engine.handoff import Reservation
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.kvtransfer.convert import output_to_proto, params_from_proto
 from kvrelay.kvtransfer.doorbell import DoorbellServer
@@ -84,6 +85,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
                                                       sources)
         self.load.kv_shm = self.arena is not None
         self._requests: dict[str, _Request] = {}
+        # Ask the prefill worker to start while the engine thread reserves (it waits for the step in flight).
+        self.early_start = self.options.kv_early_start and self.transport.early_start
 
     def _open_doorbell(self, beside: Path) -> DoorbellServer | None:
         path = doorbell_path(beside)
@@ -196,9 +199,8 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
                     finished = False
                     async for out in self.engine.generate_prefilled(
                             ids, local, req.request_id, priority,
-                            lambda blocks, cached, addr=addr: self._load_kv(req, addr, ids, params, priority,
-                                                                            blocks, cached),
-                            cache_salt=req.cache_salt):
+                            lambda res, addr=addr: self._load_kv(req, addr, ids, params, priority, res),
+                            cache_salt=req.cache_salt, early_start=self.early_start):
                         finished = out.finished
                         if req.prompt_logprobs is not None and (out.new_token_ids or out.finished):
                             out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
@@ -237,15 +239,20 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
         async for out in self.engine.generate(ids, params, req.request_id, priority, cache_salt=req.cache_salt):
             yield out
 
-    async def _load_kv(self, req: _Request, addr: str, ids: list[int], params, priority: int,
-                       block_ids: list[int], num_cached_blocks: int):
+    async def _load_kv(self, req: _Request, addr: str, ids: list[int], params, priority: int, res: Reservation):
         """load_kv of AsyncEngine.generate_prefilled: pull the K/V of the blocks after the
-        prefix-cache hits, return the first token."""
+        prefix-cache hits, return the first token. With an early start the PrefillStart goes out
+        while the engine thread still reserves; writes wait for the reservation."""
         if req.aborted:
             raise RequestAbortedError(f"request {req.request_id} was aborted")
-        dest = KVDestination(block_ids, lambda batch: self._write(req.request_id, block_ids, batch),
-                             num_cached_blocks,
-                             lambda batch: _write_blocks(self.engine.engine, req.request_id, block_ids, batch))
+        block_ids, llm, rid = res.block_ids, self.engine.engine, req.request_id  # block_ids: filled in place
+        wait_s = self.options.handoff_timeout_s
+
+        def write_now(batch) -> None:  # a doorbell thread: the reservation may still be on its way
+            _write_blocks(llm, rid, res.wait_blocking(wait_s), batch)
+
+        dest = KVDestination(block_ids, lambda batch: self._write(rid, block_ids, batch), res.num_cached_blocks,
+                             write_now, reserved=None if res.done else res.wait)
         req.handoff_task = asyncio.create_task(
             self.transport.pull(addr, HandoffRequest(req.request_id, ids, params, priority, req.cache_salt or "",
                                          req.deadline, req.client_request_id), dest))

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError
+from kvrelay.engine.handoff import PrefixChangedError, Reservation
 from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
@@ -144,18 +145,24 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         priority: int,
-        load_kv: Callable[[list[int], int], Awaitable[tuple[int, TokenLogprob | None]]],
+        load_kv: Callable[[Reservation], Awaitable[tuple[int, TokenLogprob | None]]],
         cache_salt: str | None = None,
+        early_start: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Decode side of a prefill/decode hand-off; yields like generate() (one sample).
 
         Reserves blocks for the prompt (raises NoFreeBlocksError if they do not fit now: reject,
-        never wait), awaits load_kv(block_ids, num_cached_blocks), which fills block_ids after the
+        never wait), awaits load_kv(reservation), which fills reservation.block_ids after the
         first num_cached_blocks (prefix-cache hits, already holding their K/V) and returns
         (first_token, first_logprob), then activates the request (yields nothing if abort() came
         first). load_kv must write only through LLMEngine.write_reserved (from the engine thread
         or any other): a failure or early close queues the abort, which waits for a write in
         progress and stops later ones, so the blocks are never freed under a copy.
+
+        early_start: load_kv starts at once, while the engine thread reserves (which waits for
+        the step in flight), with num_cached_blocks from a probe of the prefix cache; it must
+        await the reservation (Reservation.wait / wait_blocking) before it writes. If the probed
+        blocks are evicted before the reservation, the attempt starts over without early start.
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
@@ -167,17 +174,21 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         finished_ok = reserve_failed = False
+        # Prompt logprobs salt the request's cache root at random: a probe could never match it.
+        early_start = early_start and params.prompt_logprobs is None
         try:
-            try:
-                def reserve(llm):
-                    seq = llm.reserve(prompt_ids, params, request_id, priority, cache_salt)
-                    return list(seq.block_table), seq.num_registered
-
-                block_ids, num_cached = await self.call_in_engine_thread(reserve)
-            except Exception:
-                reserve_failed = True  # nothing allocated; the id may belong to someone else
-                raise
-            first_token, first_logprob = await load_kv(block_ids, num_cached)
+            while True:
+                try:
+                    first_token, first_logprob = await self._reserve_and_load(
+                        prompt_ids, params, request_id, priority, load_kv, cache_salt, early_start)
+                    break
+                except PrefixChangedError:
+                    log.debug("prefix-cache blocks of %s were evicted before its reservation: starting over "
+                              "without early start", request_id)
+                    early_start = False
+                except _ReserveFailed as e:
+                    reserve_failed = True  # nothing allocated; the id may belong to someone else
+                    raise e.__cause__ from None
 
             def activate(llm):  # None: abort() came first and freed the blocks while the K/V loaded
                 return (
@@ -202,6 +213,43 @@ class AsyncEngine:
                 # that reuses the id (a retry on another prefill worker, or a local prefill).
                 self._commands.put(("drop", request_id))
                 self._wake.set()
+
+    async def _reserve_and_load(self, prompt_ids, params, request_id, priority, load_kv, cache_salt,
+                                early_start: bool) -> tuple[int, TokenLogprob | None]:
+        """One reservation and its load_kv, started together when early_start. Raises
+        PrefixChangedError (nothing reserved, the load given up) for the caller to start over, and
+        _ReserveFailed from any other reservation error."""
+        probed = None
+        loading: asyncio.Future | None = None
+        res = None
+        if early_start:
+            probed = self.engine.probe_cached_blocks(prompt_ids, cache_salt)
+            res = Reservation(-(-len(prompt_ids) // self.engine.args.block_size), probed)
+            loading = asyncio.ensure_future(load_kv(res))
+
+        def reserve(llm):
+            seq = llm.reserve(prompt_ids, params, request_id, priority, cache_salt, max_cached_blocks=probed)
+            return list(seq.block_table), seq.num_registered
+
+        try:
+            try:
+                block_ids, num_cached = await self.call_in_engine_thread(reserve)
+            except Exception as e:
+                if res is not None:
+                    res.fail(e)
+                if isinstance(e, PrefixChangedError):
+                    raise
+                raise _ReserveFailed from e
+            if res is None:
+                return await load_kv(Reservation.reserved(block_ids, num_cached))
+            res.fill(block_ids)
+            return await loading
+        finally:
+            if res is not None and not res.done:  # settled before the load is cancelled: a thread may wait on it
+                res.fail(RuntimeError(f"the reservation of {request_id!r} was given up"))
+            if loading is not None and not loading.done():
+                loading.cancel()
+                await asyncio.gather(loading, return_exceptions=True)
 
     async def _compile(self, params: SamplingParams) -> None:
         """Compile (or find cached) the request's grammar in a worker thread: never on the engine
@@ -281,6 +329,10 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.put_nowait(error)
         self._died.set()
+
+
+class _ReserveFailed(Exception):
+    """Wraps (as __cause__) an error of the reservation itself, as opposed to one of load_kv."""
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -79,11 +79,15 @@ class HandoffRequest:
 class KVDestination:
     """Where the K/V goes: the decode worker's reserved blocks, in prompt order, and how to write them."""
 
-    block_ids: list[int]
+    block_ids: list[int]  # with `reserved`, filled in place once it is done
     write: WriteFn  # checks each chunk's checksum and copies it into block_ids (on the engine thread)
     num_cached_blocks: int = 0  # leading block_ids that already hold their K/V (prefix-cache hits)
     # The same write, synchronous and callable from any thread (doorbell hand-offs); None: no doorbell.
+    # With `reserved`, it waits for the reservation itself.
     write_now: Callable[[list[ReceivedChunk]], None] | None = None
+    # Early start (AsyncEngine.generate_prefilled): the blocks are still being reserved. The pull
+    # sends PrefillStart at once and awaits this before it reads anything that leads to a write.
+    reserved: Callable[[], Awaitable[object]] | None = None
 
 
 @dataclass
@@ -101,6 +105,10 @@ class HandoffResult:
 
 
 class KVTransport(abc.ABC):
+    # Whether pull() honours KVDestination.reserved (an early start); a plugin that does not gets
+    # its destination only once the blocks are reserved.
+    early_start = False
+
     @abc.abstractmethod
     async def pull(self, prefill_addr: str, request: HandoffRequest, dest: KVDestination) -> HandoffResult:
         """Move the request's prompt K/V from prefill_addr into dest; see the module docstring."""
@@ -114,6 +122,8 @@ _ERRORS_FROM_PREFILL = {grpc.StatusCode.FAILED_PRECONDITION: LayoutMismatchError
 
 class GrpcKVTransport(KVTransport):
     """K/V travels inline on PrefillService.Prefill, a stream the decode side opens and reads."""
+
+    early_start = True
 
     def __init__(self, layout: KVLayout, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  timeout_s: float = 300.0, arena: ShmArena | None = None, doorbell: DoorbellServer | None = None,
@@ -169,7 +179,7 @@ class GrpcKVTransport(KVTransport):
             timeout_s = max(0.001, min(timeout_s, request.deadline - time.monotonic()))
         call = self._prefill_call(prefill_addr, timeout_s, request.client_request_id)
         region = None
-        nbytes = self.layout.bytes_for_blocks(len(dest.block_ids) - dest.num_cached_blocks)
+        nbytes = self.layout.bytes_for_blocks(_num_blocks(self.layout, request) - dest.num_cached_blocks)
         if self.arena is not None and nbytes:
             region = self.arena.allocate(nbytes)  # None when the arena is full: inline this time
         attempt = _Attempt(region, prefill_addr)
@@ -218,7 +228,8 @@ class GrpcKVTransport(KVTransport):
             params=params_to_proto(request.params), priority=request.priority,
             expected_layout=self.layout.to_proto(), max_message_bytes=self.max_message_bytes,
             num_cached_blocks=dest.num_cached_blocks, cache_salt=request.cache_salt)
-        verifier = ChunkVerifier(self.layout, len(request.prompt_ids), len(dest.block_ids), dest.num_cached_blocks)
+        num_blocks = _num_blocks(self.layout, request)
+        verifier = ChunkVerifier(self.layout, len(request.prompt_ids), num_blocks, dest.num_cached_blocks)
         if self.cuda_ipc is not None:
             offer = self.cuda_ipc.offer(attempt.prefill_addr)
             if offer is not None:
@@ -241,15 +252,17 @@ class GrpcKVTransport(KVTransport):
                 if self.sources is not None:
                     self.sources.prune()
         await call.write(kv_pb2.PrefillClientMessage(start=start))
+        if dest.reserved is not None:  # the prefill computes meanwhile; its messages wait in the stream
+            await dest.reserved()
         rx = await _read(call)
         if rx.kind() != "header":
             raise PrefillFailedError(f"hand-off began with {rx.kind()!r}, expected a header")
         header = rx.msg.header
         t0 = None  # first chunk received: transfer time excludes waiting for the prefill to start
         check_layout(self.layout, KVLayout.from_proto(header.layout), "hand-off header")
-        if header.num_tokens != len(request.prompt_ids) or header.num_blocks != len(dest.block_ids):
+        if header.num_tokens != len(request.prompt_ids) or header.num_blocks != num_blocks:
             raise ChunkError(f"prefill worker describes {header.num_tokens} tokens in {header.num_blocks} blocks; "
-                             f"decode reserved {len(dest.block_ids)} blocks for {len(request.prompt_ids)} tokens")
+                             f"decode reserved {num_blocks} blocks for {len(request.prompt_ids)} tokens")
         if header.shm and (region is None or self.remote is not None):
             raise ChunkError("prefill worker chose the shared-memory data plane, which this decode worker did "
                              "not offer")
@@ -406,6 +419,11 @@ class _ShmReader:
                              f"end within the region's {len(self.view)} B")
         self.next += chunk.shm_size
         return self.view[chunk.shm_offset:self.next]
+
+
+def _num_blocks(layout: KVLayout, request: HandoffRequest) -> int:
+    """The blocks a prompt's reservation holds (its last token's too)."""
+    return -(-len(request.prompt_ids) // layout.block_size)
 
 
 def _prompt_logprobs(done: kv_pb2.PrefillDone, request: HandoffRequest) -> list[TokenLogprob | None] | None:

@@ -59,6 +59,9 @@ class WorkerOptions:
     # With the arena (or the CUDA IPC plane), a Unix socket beside it on which same-node hand-offs
     # signal between the engine threads (kvrelay.kvtransfer.doorbell); False: on the gRPC stream.
     kv_doorbell: bool = True
+    # decode side: send PrefillStart while the engine thread reserves the blocks, which waits for the
+    # step in flight (the prefix-cache hits are probed first); False: reserve, then start.
+    kv_early_start: bool = True
     # prefill side: the KV cache in a shared-memory file in kv_shm_dir, so a decode worker on this
     # node copies held blocks straight out of it (the direct hand-off; needs its doorbell).
     kv_shared_cache: bool = False
@@ -133,6 +136,9 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--no-kv-doorbell", dest="kv_doorbell", action="store_false",
                             help="with --kv-shm-bytes or --kv-transport cuda-ipc: no doorbell socket; chunk "
                                  "headers and acks of same-node hand-offs go on the gRPC stream")
+        parser.add_argument("--no-kv-early-start", dest="kv_early_start", action="store_false",
+                            help="reserve a request's blocks before asking the prefill worker to start (by "
+                                 "default the prefill starts while the reservation waits for the step in flight)")
         parser.add_argument("--kv-transport", default=None,
                             help="mooncake (a transfer-engine region prefill workers on any node write into), "
                                  "cuda-ipc (same-node GPU caches, device to device), or a transport from a "

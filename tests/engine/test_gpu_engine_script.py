@@ -27,6 +27,9 @@ def test_gpu_engine_cpu_smoke_runs_every_section(tmp_path):
     assert "speculative draft=target, batch 16" in summary and "identical to plain: True" in summary
     assert "hand-off 100 tokens over cuda-ipc" in summary and "identical: False" not in summary
     assert "TTFT beyond the compute" in summary
+    assert "hand-off 100 tokens over cuda-ipc-reserve-first" in summary
+    assert "under load (8 requests decoding" in summary and "over cuda-ipc: TTFT" in summary
+    assert "decode: reserve <" in summary
     assert "moe Mixtral-shape triton eager" in summary and "moe greedy torch vs triton eager: 4/4 identical" in summary
     assert "moe greedy fp8 triton eager vs fp8 torch: 4/4 identical" in summary
     assert "parallel stories260K greedy, cpu mp world size 1: 4/4 identical" in summary

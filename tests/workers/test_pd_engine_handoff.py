@@ -29,7 +29,7 @@ async def test_failed_attempt_never_leaks_into_a_retry_with_the_same_id():
     try:
         want = [t async for o in engine.generate(PROMPT, PARAMS, "ref") for t in o.new_token_ids]
 
-        async def failing_load(block_ids, num_cached):
+        async def failing_load(res):
             raise LoadFailed
 
         # Other requests keep the engine stepping, so outputs of a loop iteration are dispatched a
@@ -59,8 +59,8 @@ async def test_reserve_rejects_when_the_pool_is_short_and_frees_on_close():
     engine = AsyncEngine(EngineArgs(num_kv_blocks=32))
     await engine.start()
     try:
-        async def never_loads(block_ids, num_cached):
-            assert len(block_ids) == 32  # the whole pool
+        async def never_loads(res):
+            assert len(res.block_ids) == 32  # the whole pool
             await engine.call_in_engine_thread(lambda llm: None)
             raise LoadFailed
 
@@ -68,7 +68,7 @@ async def test_reserve_rejects_when_the_pool_is_short_and_frees_on_close():
             async for _ in engine.generate_prefilled([5] * 500, PARAMS, "big", 0, never_loads):
                 pass
         await engine.call_in_engine_thread(lambda llm: None)
-        held = engine.generate_prefilled([5] * 500, PARAMS, "held", 0, lambda b, c: _forever())
+        held = engine.generate_prefilled([5] * 500, PARAMS, "held", 0, lambda res: _forever())
         task = asyncio.create_task(anext(held))
         await asyncio.sleep(0.2)
         with pytest.raises(NoFreeBlocksError):
@@ -101,14 +101,14 @@ async def test_reservation_shares_cached_prefix_blocks_and_gives_them_back():
         _ = [o async for o in engine.generate(prompt, PARAMS)]
         seen = []
 
-        async def load(block_ids, num_cached):
-            seen.append((len(block_ids), num_cached))
+        async def load(res):
+            seen.append((len(res.block_ids), res.num_cached_blocks))
             raise LoadFailed
 
         with pytest.raises(LoadFailed):
             async for _ in engine.generate_prefilled(prompt + [5] * 10, PARAMS, "r1", 0, load):
                 pass
-        held = engine.generate_prefilled([9] * 40, PARAMS, "held", 0, lambda b, c: _forever())  # 3 blocks
+        held = engine.generate_prefilled([9] * 40, PARAMS, "held", 0, lambda res: _forever())  # 3 blocks
         task = asyncio.create_task(anext(held))
         await asyncio.sleep(0.2)
         with pytest.raises(NoFreeBlocksError):  # 16 blocks: 4 cached + 12 of the 9 left
@@ -139,8 +139,8 @@ async def test_abort_waits_for_a_write_into_the_reservation_from_another_thread(
         copying, release = threading.Event(), threading.Event()
         events = []
 
-        async def load(block_ids, num_cached):
-            reserved.set_result(block_ids)
+        async def load(res):
+            reserved.set_result(res.block_ids)
             await _forever()
 
         gen = engine.generate_prefilled(list(range(20, 60)), PARAMS, "r", 0, load)

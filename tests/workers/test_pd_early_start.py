@@ -1,0 +1,220 @@
+"""Early start: the decode worker sends PrefillStart while its engine thread reserves the blocks
+(which waits for the step in flight), with the prefix-cache hits probed first. The prefill may
+then finish before the reservation: its chunks wait, and nothing is written before the blocks
+are reserved. A probe that the cache outran starts over; a failed or abandoned reservation
+reaches the load that started early, and nothing is stranded."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.block_pool import NoFreeBlocksError
+from kvrelay.engine.engine_args import EngineArgs
+from kvrelay.engine.handoff import PrefixChangedError
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer.worker_base import WorkerOptions
+from pd_helpers import assert_all_free, reference_tokens, start_pair, stop_pair, wait_until
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PREFIX = list(range(20, 84))  # 4 full blocks of 16
+
+
+async def _engine(**kw) -> AsyncEngine:
+    engine = AsyncEngine(EngineArgs(**kw))
+    await engine.start()
+    return engine
+
+
+async def _tokens(gen) -> list[int]:
+    return [t async for o in gen for t in o.new_token_ids]
+
+
+async def test_the_load_starts_before_the_reservation_with_the_probed_prefix():
+    engine = await _engine(num_kv_blocks=32)
+    try:
+        await _tokens(engine.generate(PREFIX + [5], PARAMS))  # caches PREFIX's 4 blocks
+        seen = []
+
+        async def load(res):
+            seen.append((res.done, res.num_blocks, res.num_cached_blocks))
+            block_ids = await res.wait()
+            seen.append(len(block_ids))
+            return 7, None
+
+        prompt = PREFIX + list(range(100, 120))  # 84 tokens: 6 blocks, 4 of them cached
+        got = await _tokens(engine.generate_prefilled(prompt, PARAMS, "r", 0, load, early_start=True))
+        assert seen == [(False, 6, 4), 6]
+        assert got[0] == 7 and len(got) == PARAMS.max_tokens
+        await assert_all_free(engine)
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_probe_the_cache_outran_starts_over_without_early_start(monkeypatch):
+    """The probe counted a block the reservation no longer finds (evicted in between): the early
+    load is given up with PrefixChangedError and a second one runs on a finished reservation."""
+    engine = await _engine(num_kv_blocks=32)
+    try:
+        await _tokens(engine.generate(PREFIX + [5], PARAMS))
+        probe = engine.engine.probe_cached_blocks
+        monkeypatch.setattr(engine.engine, "probe_cached_blocks", lambda ids, salt: probe(ids, salt) + 1)
+        loads = []
+
+        async def load(res):
+            loads.append((res.done, res.num_cached_blocks))
+            if not res.done:
+                with pytest.raises(PrefixChangedError):
+                    await res.wait()
+                raise AssertionError("the reservation must fail, not the load")
+            return 7, None
+
+        prompt = PREFIX + list(range(100, 120))
+        got = await _tokens(engine.generate_prefilled(prompt, PARAMS, "r", 0, load, early_start=True))
+        assert loads == [(False, 5), (True, 4)]
+        assert got[0] == 7
+        await assert_all_free(engine)
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_failed_reservation_reaches_the_early_load_and_its_threads():
+    engine = await _engine(num_kv_blocks=32)
+    try:
+        held_reserved = asyncio.Event()
+
+        async def hold(res):
+            await res.wait()
+            held_reserved.set()
+            await asyncio.Event().wait()
+
+        held = asyncio.create_task(_tokens(engine.generate_prefilled([9] * 400, PARAMS, "held", 0, hold)))
+        await held_reserved.wait()  # 25 of 32 blocks
+        outcome = []
+
+        async def load(res):
+            waiter = threading.Thread(target=lambda: outcome.append(_blocking_outcome(res)))
+            waiter.start()
+            try:
+                await res.wait()
+            finally:
+                await asyncio.to_thread(waiter.join, 10)
+            return 7, None
+
+        with pytest.raises(NoFreeBlocksError):
+            await _tokens(engine.generate_prefilled([5] * 200, PARAMS, "big", 0, load, early_start=True))
+        assert outcome == ["NoFreeBlocksError"]
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        await assert_all_free(engine)
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_request_cancelled_during_its_reservation_wakes_a_waiting_thread():
+    """A doorbell thread waiting for the reservation must not wait forever when the request goes."""
+    engine = await _engine(num_kv_blocks=32)
+    try:
+        engine_busy, release = threading.Event(), threading.Event()
+        blocker = engine.call_in_engine_thread(lambda llm: (engine_busy.set(), release.wait(30)))
+        assert await asyncio.to_thread(engine_busy.wait, 10)  # the reservation now queues behind it
+        outcome, waiting = [], threading.Event()
+
+        async def load(res):
+            def wait():
+                waiting.set()
+                outcome.append(_blocking_outcome(res))
+
+            threading.Thread(target=wait, daemon=True).start()
+            await asyncio.Event().wait()
+
+        task = asyncio.create_task(_tokens(engine.generate_prefilled(PREFIX, PARAMS, "r", 0, load, early_start=True)))
+        assert await asyncio.to_thread(waiting.wait, 10)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await wait_until(_async(lambda: bool(outcome)), what="the waiting thread to wake")
+        assert outcome == ["RuntimeError"]
+        release.set()
+        await blocker
+        await assert_all_free(engine)
+    finally:
+        await engine.shutdown()
+
+
+def _blocking_outcome(res) -> str:
+    try:
+        res.wait_blocking(30)
+    except Exception as e:  # noqa: BLE001 - the test reads which error came
+        return type(e).__name__
+    return "reserved"
+
+
+def _async(fn):
+    async def check():
+        return fn()
+
+    return check
+
+
+# ---- real workers: the prefill finishes before the decode side has reserved -------------------------
+
+
+async def _prefill_done_before_reservation(pair, prompt: list[int], params, rid: str) -> list[int]:
+    """Generate with the decode worker's engine thread held until the prefill worker has
+    computed the prompt (and rung, on a doorbell), so every chunk waits for the reservation."""
+    engine_busy, release = threading.Event(), threading.Event()
+    blocker = pair.decode.engine.call_in_engine_thread(lambda llm: (engine_busy.set(), release.wait(30)))
+    assert await asyncio.to_thread(engine_busy.wait, 10)
+    task = asyncio.create_task(_tokens(pair.client.generate(prompt, params, request_id=rid,
+                                                            prefill_addr=pair.prefill_addr)))
+    try:
+        await wait_until(_async(lambda: any(lease.compute_done for lease in pair.prefill.leases.by_request(rid))),
+                         what="the prefill worker to finish computing")
+    finally:
+        release.set()
+    await blocker
+    return await task
+
+
+def _count(metric, label: str) -> float:
+    return metric.labels(label)._value.get()
+
+
+@pytest.mark.parametrize("plane", ["grpc", "shm_doorbell", "shm_stream"])
+async def test_chunks_that_arrive_before_the_reservation_wait_for_it(tmp_path, plane):
+    """Same tokens as a single process, with no fallback: the stream's chunks wait in the stream,
+    the doorbell's frames in the doorbell thread, until the blocks are reserved."""
+    popts = WorkerOptions(max_message_bytes=16 * 1024, stream_min_tokens=50, layer_group_size=1,
+                          kv_shm_dir=str(tmp_path))
+    dopts = WorkerOptions(max_message_bytes=16 * 1024, kv_shm_dir=str(tmp_path),
+                          kv_shm_bytes=0 if plane == "grpc" else 4 << 20, kv_doorbell=plane == "shm_doorbell")
+    pair = await start_pair(prefill_options=popts, decode_options=dopts)
+    try:
+        assert pair.decode.early_start
+        rng = random.Random(7)
+        for i, n in enumerate((20, 90)):  # after the prefill, and layer-streamed
+            prompt = [rng.randrange(3, 512) for _ in range(n)]
+            got = await _prefill_done_before_reservation(pair, prompt, PARAMS, f"r{i}")
+            assert got == await reference_tokens(prompt, PARAMS)
+        m = pair.decode.metrics
+        assert _count(m.kv_handoffs, "ack") == 2
+        assert _count(m.fallbacks, "local") == 0 and _count(m.fallbacks, "retry") == 0
+        if plane == "shm_doorbell":
+            assert pair.prefill.metrics.doorbells.labels("connected")._value.get() == 2
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+
+
+async def test_early_start_off_reserves_first():
+    pair = await start_pair(decode_options=WorkerOptions(kv_early_start=False))
+    try:
+        assert not pair.decode.early_start
+        prompt = list(range(30, 70))
+        got = await _tokens(pair.client.generate(prompt, PARAMS, prefill_addr=pair.prefill_addr))
+        assert got == await reference_tokens(prompt, PARAMS)
+    finally:
+        await stop_pair(pair)
