@@ -154,8 +154,9 @@ class AsyncEngine:
         Reserves blocks for the prompt (raises NoFreeBlocksError if they do not fit now: reject,
         never wait), awaits load_kv(reservation), which fills reservation.block_ids after the
         first num_cached_blocks (prefix-cache hits, already holding their K/V) and returns
-        (first_token, first_logprob), then activates the request (yields nothing if abort() came
-        first). load_kv must write only through LLMEngine.write_reserved (from the engine thread
+        (first_token, first_logprob), then yields the first token's output at once
+        (LLMEngine.settle_first_token) while the engine thread schedules the sequence (yields
+        nothing if abort() came first). load_kv must write only through LLMEngine.write_reserved (from the engine thread
         or any other): a failure or early close queues the abort, which waits for a write in
         progress and stops later ones, so the blocks are never freed under a copy.
 
@@ -190,21 +191,22 @@ class AsyncEngine:
                     reserve_failed = True  # nothing allocated; the id may belong to someone else
                     raise e.__cause__ from None
 
-            def activate(llm):  # None: abort() came first and freed the blocks while the K/V loaded
-                return (
-                    llm.activate(request_id, first_token, first_logprob)
-                    if request_id in llm.requests
-                    else None
-                )
-
-            item = await self.call_in_engine_thread(activate)
-            while item is not None:
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine stopped after an error: {item!r}") from item
-                yield item
-                if item.finished:
-                    break
-                item = await stream.get()
+            # The first token's output is made here, not on the engine thread, which would make it
+            # wait for the step in flight; the engine thread then only schedules the sequence.
+            first = self.engine.settle_first_token(request_id, first_token, first_logprob)
+            if first is None:  # abort() came first and freed the blocks while the K/V loaded
+                finished_ok = True
+                return
+            activated = self.call_in_engine_thread(lambda llm: llm.activate(request_id))  # queued before the yield
+            yield first
+            if await activated and not first.finished:
+                while True:
+                    item = await stream.get()
+                    if isinstance(item, BaseException):
+                        raise EngineDeadError(f"the engine stopped after an error: {item!r}") from item
+                    yield item
+                    if item.finished:
+                        break
             finished_ok = True
         finally:
             self._streams.pop(request_id, None)
@@ -222,9 +224,15 @@ class AsyncEngine:
         probed = None
         loading: asyncio.Future | None = None
         res = None
+        num_blocks = -(-len(prompt_ids) // self.engine.args.block_size)
         if early_start:
             probed = self.engine.probe_cached_blocks(prompt_ids, cache_salt)
-            res = Reservation(-(-len(prompt_ids) // self.engine.args.block_size), probed)
+            # A pool that cannot hold the prompt now is told by the reservation, before any prefill
+            # starts (read off the engine thread: a hint, which a reservation failing later overrides).
+            if self.engine.pool.num_free < num_blocks - probed:
+                probed = None
+        if probed is not None:
+            res = Reservation(num_blocks, probed)
             loading = asyncio.ensure_future(load_kv(res))
 
         def reserve(llm):

@@ -174,20 +174,47 @@ class HandoffMixin:
             write()
             return True
 
-    def activate(self, request_id: str, first_token: int, first_logprob=None) -> RequestOutput:
-        """Decode side: the reserved blocks now hold the prompt's K/V; continue after first_token.
+    def settle_first_token(self, request_id: str, first_token: int, first_logprob=None) -> RequestOutput | None:
+        """Decode side, any thread: the reserved blocks now hold the prompt's K/V; append first_token
+        and return its output (text, stop checks) without waiting for the engine thread, which
+        then schedules the sequence in activate(). None, changing nothing, once the request no
+        longer holds its reservation (aborted).
 
         The prefill worker sampled first_token with the same seed, so this sequence's random stream
-        is advanced past that draw and later tokens match a single-process run.
+        is advanced past that draw and later tokens match a single-process run. A reserved
+        sequence is touched by no step, and abort() takes the same lock, so this cannot race it.
         """
-        (seq,) = self.requests[request_id]
-        if seq.status is not Status.RESERVED:
-            raise InvalidRequestError(f"request {request_id!r} is not reserved", field="request_id")
-        if seq.rng is not None:
-            seq.rng.random()
-        seq.num_computed = seq.prompt_len
+        with self._reserved_lock:
+            seqs = self.requests.get(request_id)
+            if not seqs or seqs[0].status is not Status.RESERVED or len(seqs[0].token_ids) > seqs[0].prompt_len:
+                return None
+            (seq,) = seqs
+            if seq.rng is not None:
+                seq.rng.random()
+            seq.num_computed = seq.prompt_len
+            seq.token_ids.append(first_token)
+            seq.metrics.first_token_time = time.monotonic()
+            # Recorded on the sequence for activate(), which finishes it (it frees blocks: engine thread).
+            seq.finish_reason, seq.stop_reason = self._stop_check(seq, first_token)
+            return self._output(seq, [first_token], seq.detok.take(final=seq.finish_reason is not None),
+                                [first_logprob] if first_logprob else None)
+
+    def activate(self, request_id: str) -> bool:
+        """Decode side, engine thread, after settle_first_token: schedule the sequence (or finish it,
+        if its first token ended it). False if the request was aborted in between."""
+        seqs = self.requests.get(request_id)
+        if not seqs:
+            return False
+        (seq,) = seqs
+        if seq.status is not Status.RESERVED or len(seq.token_ids) != seq.prompt_len + 1:
+            raise InvalidRequestError(f"request {request_id!r} is not a reservation with its first token",
+                                      field="request_id")
         seq.first_admitted = True
         self.scheduler.register_full_blocks(seq)
-        seq.status = Status.RUNNING
-        self.scheduler.insert_running(seq)
-        return self._append_token(seq, first_token, first_logprob, time.monotonic())
+        self.generation_tokens_total += 1
+        if seq.finish_reason is not None:
+            self._finish(seq, seq.finish_reason, seq.stop_reason, time.monotonic())
+        else:
+            seq.status = Status.RUNNING
+            self.scheduler.insert_running(seq)
+        return True

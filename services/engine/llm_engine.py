@@ -454,21 +454,25 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         self.generation_tokens_total += 1
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
-        reason, stop_reason = None, None
-        generated = len(seq.token_ids) - seq.prompt_len
-        if token in seq.stop_ids and generated >= seq.params.min_tokens:
-            reason, stop_reason = "stop", (token if token in seq.params.stop_token_ids else None)
-        else:
-            stop_string = seq.detok.add_token(token)
-            if stop_string is not None:
-                reason, stop_reason = "stop", stop_string
-        if reason is None and generated >= seq.max_tokens:
-            reason = "length"
+        reason, stop_reason = self._stop_check(seq, token)
         if reason is not None:
             self._finish(seq, reason, stop_reason, now)
         return self._output(
             seq, [token], seq.detok.take(final=reason is not None), [logprob] if logprob else None
         )
+
+    @staticmethod
+    def _stop_check(seq: Sequence, token: int) -> tuple[str | None, object]:
+        """(finish reason, stop reason) once token, the last of seq.token_ids, is detokenized."""
+        generated = len(seq.token_ids) - seq.prompt_len
+        if token in seq.stop_ids and generated >= seq.params.min_tokens:
+            return "stop", (token if token in seq.params.stop_token_ids else None)
+        stop_string = seq.detok.add_token(token)
+        if stop_string is not None:
+            return "stop", stop_string
+        if generated >= seq.max_tokens:
+            return "length", None
+        return None, None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, now: float) -> None:
         self.scheduler.finish(seq, reason, stop_reason)

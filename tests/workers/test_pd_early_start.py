@@ -81,21 +81,39 @@ async def test_a_probe_the_cache_outran_starts_over_without_early_start(monkeypa
         await engine.shutdown()
 
 
+async def test_a_pool_that_cannot_hold_the_prompt_starts_no_prefill():
+    """Admission stays with the decode side's memory: a worker whose free blocks cannot hold the
+    prompt rejects it before load_kv (the prefill) starts."""
+    engine = await _engine(num_kv_blocks=16, max_model_len=256)
+    try:
+        loads = []
+
+        async def load(res):
+            loads.append(res)
+            return 7, None
+
+        hog = await engine.call_in_engine_thread(lambda llm: llm.pool.allocate(10))
+        with pytest.raises(NoFreeBlocksError):  # 13 blocks, 6 free
+            await _tokens(engine.generate_prefilled([5] * 200, PARAMS, "big", 0, load, early_start=True))
+        assert loads == []
+        await engine.call_in_engine_thread(lambda llm: llm.pool.free(hog))
+        await assert_all_free(engine)
+    finally:
+        await engine.shutdown()
+
+
 async def test_a_failed_reservation_reaches_the_early_load_and_its_threads():
+    """The pool looked large enough when the load started, but the blocks were gone when the
+    engine thread reserved: the load and a thread waiting in it get the reservation's error."""
     engine = await _engine(num_kv_blocks=32)
     try:
-        held_reserved = asyncio.Event()
-
-        async def hold(res):
-            await res.wait()
-            held_reserved.set()
-            await asyncio.Event().wait()
-
-        held = asyncio.create_task(_tokens(engine.generate_prefilled([9] * 400, PARAMS, "held", 0, hold)))
-        await held_reserved.wait()  # 25 of 32 blocks
+        release, held = await _hold_engine_thread(engine)
+        # Queued before the reservation, run after the check that let the load start.
+        hog = engine.call_in_engine_thread(lambda llm: llm.pool.allocate(llm.pool.num_free))
         outcome = []
 
         async def load(res):
+            release.set()
             waiter = threading.Thread(target=lambda: outcome.append(_blocking_outcome(res)))
             waiter.start()
             try:
@@ -107,20 +125,27 @@ async def test_a_failed_reservation_reaches_the_early_load_and_its_threads():
         with pytest.raises(NoFreeBlocksError):
             await _tokens(engine.generate_prefilled([5] * 200, PARAMS, "big", 0, load, early_start=True))
         assert outcome == ["NoFreeBlocksError"]
-        held.cancel()
-        await asyncio.gather(held, return_exceptions=True)
+        await held
+        blocks = await hog
+        await engine.call_in_engine_thread(lambda llm: llm.pool.free(blocks))
         await assert_all_free(engine)
     finally:
         await engine.shutdown()
+
+
+async def _hold_engine_thread(engine: AsyncEngine):
+    """Block the engine thread (as a long step would) until the returned event is set."""
+    busy, release = threading.Event(), threading.Event()
+    held = engine.call_in_engine_thread(lambda llm: (busy.set(), release.wait(30)))
+    assert await asyncio.to_thread(busy.wait, 10)
+    return release, held
 
 
 async def test_a_request_cancelled_during_its_reservation_wakes_a_waiting_thread():
     """A doorbell thread waiting for the reservation must not wait forever when the request goes."""
     engine = await _engine(num_kv_blocks=32)
     try:
-        engine_busy, release = threading.Event(), threading.Event()
-        blocker = engine.call_in_engine_thread(lambda llm: (engine_busy.set(), release.wait(30)))
-        assert await asyncio.to_thread(engine_busy.wait, 10)  # the reservation now queues behind it
+        release, blocker = await _hold_engine_thread(engine)  # the reservation now queues behind it
         outcome, waiting = [], threading.Event()
 
         async def load(res):
@@ -165,9 +190,7 @@ def _async(fn):
 async def _prefill_done_before_reservation(pair, prompt: list[int], params, rid: str) -> list[int]:
     """Generate with the decode worker's engine thread held until the prefill worker has
     computed the prompt (and rung, on a doorbell), so every chunk waits for the reservation."""
-    engine_busy, release = threading.Event(), threading.Event()
-    blocker = pair.decode.engine.call_in_engine_thread(lambda llm: (engine_busy.set(), release.wait(30)))
-    assert await asyncio.to_thread(engine_busy.wait, 10)
+    release, blocker = await _hold_engine_thread(pair.decode.engine)
     task = asyncio.create_task(_tokens(pair.client.generate(prompt, params, request_id=rid,
                                                             prefill_addr=pair.prefill_addr)))
     try:

@@ -169,3 +169,89 @@ async def test_abort_waits_for_a_write_into_the_reservation_from_another_thread(
         await gen.aclose()
     finally:
         await engine.shutdown()
+
+
+async def _hold_engine_thread(engine: AsyncEngine):
+    """Block the engine thread (as a long step would) until the returned event is set."""
+    import threading
+
+    busy, release = threading.Event(), threading.Event()
+    done = engine.call_in_engine_thread(lambda llm: (busy.set(), release.wait(30)))
+    assert await asyncio.to_thread(busy.wait, 10)
+    return release, done
+
+
+async def test_the_first_token_goes_out_while_the_engine_thread_is_busy():
+    """The first output is made on the caller's thread: it does not wait for the step in flight,
+    and the tokens after it are those of a single process."""
+    engine = AsyncEngine(EngineArgs(num_kv_blocks=64))
+    await engine.start()
+    try:
+        prompt = list(range(20, 68))  # 3 full blocks, which the prefix cache keeps after "ref"
+        want = [t async for o in engine.generate(prompt, PARAMS, "ref") for t in o.new_token_ids]
+        held = {}
+
+        async def load(res):
+            assert res.num_cached_blocks == res.num_blocks == 3  # the K/V is all there: nothing to write
+            held["release"], held["done"] = await _hold_engine_thread(engine)
+            return want[0], None
+
+        gen = engine.generate_prefilled(prompt, PARAMS, "r", 0, load)
+        first = await asyncio.wait_for(anext(gen), 20)  # while the engine thread is still held
+        assert first.new_token_ids == [want[0]] and not first.finished and first.text
+        assert not held["done"].done()
+        held["release"].set()
+        await held["done"]
+        rest = [t async for o in gen for t in o.new_token_ids]
+        assert [want[0], *rest] == want
+        await assert_all_free(engine)
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.parametrize("case", ["max_tokens", "eos", "stop_string"])
+async def test_a_first_token_that_ends_the_request_finishes_it_and_frees_the_blocks(case):
+    engine = AsyncEngine(EngineArgs(num_kv_blocks=64))
+    await engine.start()
+    try:
+        prompt = list(range(20, 68))
+        first_token, first_text = 300, engine.engine.tokenizer.decode([300])
+        params = {"max_tokens": SamplingParams(temperature=0.0, max_tokens=1),
+                  "eos": SamplingParams(temperature=0.0, max_tokens=8),
+                  "stop_string": SamplingParams(temperature=0.0, max_tokens=8, stop=[first_text.strip()])}[case]
+        if case == "eos":
+            first_token = min(engine.engine.eos_ids)
+
+        async def load(res):
+            return first_token, None
+
+        outs = [o async for o in engine.generate_prefilled(prompt, params, "r", 0, load)]
+        assert len(outs) == 1 and outs[0].new_token_ids == [first_token]
+        assert (outs[0].finish_reason, outs[0].stop_reason) == {
+            "max_tokens": ("length", None), "eos": ("stop", None), "stop_string": ("stop", first_text.strip())}[case]
+        await assert_all_free(engine)
+        stats = await engine.call_in_engine_thread(lambda llm: llm.generation_tokens_total)
+        assert stats == 1
+    finally:
+        await engine.shutdown()
+
+
+async def test_an_abort_between_the_first_token_and_the_activation_ends_the_stream():
+    engine = AsyncEngine(EngineArgs(num_kv_blocks=64))
+    await engine.start()
+    try:
+        held = {}
+
+        async def load(res):
+            held["release"], held["done"] = await _hold_engine_thread(engine)
+            await engine.abort("r")  # queued behind the held step, before the activation
+            return 300, None
+
+        gen = engine.generate_prefilled(list(range(20, 68)), PARAMS, "r", 0, load)
+        first = await anext(gen)
+        assert first.new_token_ids == [300] and not first.finished
+        held["release"].set()
+        assert [o async for o in gen] == []  # the activation found the request gone
+        await assert_all_free(engine)
+    finally:
+        await engine.shutdown()
