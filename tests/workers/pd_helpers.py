@@ -186,3 +186,12 @@ async def reference_tokens(prompt: list[int], params, model: Path | str = BUNDLE
         return [t async for o in engine.generate(prompt, params) for t in o.new_token_ids]
     finally:
         await engine.shutdown()
+
+
+async def hold_engine_thread(engine: AsyncEngine):
+    """Block the engine thread (as a long step would) until the returned event is set; also
+    returns the future of the blocking call."""
+    busy, release = threading.Event(), threading.Event()
+    held = engine.call_in_engine_thread(lambda llm: (busy.set(), release.wait(30)))
+    assert await asyncio.to_thread(busy.wait, 10)
+    return release, held

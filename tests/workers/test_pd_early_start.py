@@ -17,7 +17,14 @@ from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.handoff import PrefixChangedError
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer.worker_base import WorkerOptions
-from pd_helpers import assert_all_free, reference_tokens, start_pair, stop_pair, wait_until
+from pd_helpers import (
+    assert_all_free,
+    hold_engine_thread,
+    reference_tokens,
+    start_pair,
+    stop_pair,
+    wait_until,
+)
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PREFIX = list(range(20, 84))  # 4 full blocks of 16
@@ -107,7 +114,7 @@ async def test_a_failed_reservation_reaches_the_early_load_and_its_threads():
     engine thread reserved: the load and a thread waiting in it get the reservation's error."""
     engine = await _engine(num_kv_blocks=32)
     try:
-        release, held = await _hold_engine_thread(engine)
+        release, held = await hold_engine_thread(engine)
         # Queued before the reservation, run after the check that let the load start.
         hog = engine.call_in_engine_thread(lambda llm: llm.pool.allocate(llm.pool.num_free))
         outcome = []
@@ -133,19 +140,11 @@ async def test_a_failed_reservation_reaches_the_early_load_and_its_threads():
         await engine.shutdown()
 
 
-async def _hold_engine_thread(engine: AsyncEngine):
-    """Block the engine thread (as a long step would) until the returned event is set."""
-    busy, release = threading.Event(), threading.Event()
-    held = engine.call_in_engine_thread(lambda llm: (busy.set(), release.wait(30)))
-    assert await asyncio.to_thread(busy.wait, 10)
-    return release, held
-
-
 async def test_a_request_cancelled_during_its_reservation_wakes_a_waiting_thread():
     """A doorbell thread waiting for the reservation must not wait forever when the request goes."""
     engine = await _engine(num_kv_blocks=32)
     try:
-        release, blocker = await _hold_engine_thread(engine)  # the reservation now queues behind it
+        release, blocker = await hold_engine_thread(engine)  # the reservation now queues behind it
         outcome, waiting = [], threading.Event()
 
         async def load(res):
@@ -190,7 +189,7 @@ def _async(fn):
 async def _prefill_done_before_reservation(pair, prompt: list[int], params, rid: str) -> list[int]:
     """Generate with the decode worker's engine thread held until the prefill worker has
     computed the prompt (and rung, on a doorbell), so every chunk waits for the reservation."""
-    release, blocker = await _hold_engine_thread(pair.decode.engine)
+    release, blocker = await hold_engine_thread(pair.decode.engine)
     task = asyncio.create_task(_tokens(pair.client.generate(prompt, params, request_id=rid,
                                                             prefill_addr=pair.prefill_addr)))
     try:

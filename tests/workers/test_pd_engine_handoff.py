@@ -9,7 +9,7 @@ from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.block_pool import NoFreeBlocksError
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.sampling_params import SamplingParams
-from pd_helpers import assert_all_free
+from pd_helpers import assert_all_free, hold_engine_thread
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPT = list(range(20, 90))
@@ -171,16 +171,6 @@ async def test_abort_waits_for_a_write_into_the_reservation_from_another_thread(
         await engine.shutdown()
 
 
-async def _hold_engine_thread(engine: AsyncEngine):
-    """Block the engine thread (as a long step would) until the returned event is set."""
-    import threading
-
-    busy, release = threading.Event(), threading.Event()
-    done = engine.call_in_engine_thread(lambda llm: (busy.set(), release.wait(30)))
-    assert await asyncio.to_thread(busy.wait, 10)
-    return release, done
-
-
 async def test_the_first_token_goes_out_while_the_engine_thread_is_busy():
     """The first output is made on the caller's thread: it does not wait for the step in flight,
     and the tokens after it are those of a single process."""
@@ -193,7 +183,7 @@ async def test_the_first_token_goes_out_while_the_engine_thread_is_busy():
 
         async def load(res):
             assert res.num_cached_blocks == res.num_blocks == 3  # the K/V is all there: nothing to write
-            held["release"], held["done"] = await _hold_engine_thread(engine)
+            held["release"], held["done"] = await hold_engine_thread(engine)
             return want[0], None
 
         gen = engine.generate_prefilled(prompt, PARAMS, "r", 0, load)
@@ -243,7 +233,7 @@ async def test_an_abort_between_the_first_token_and_the_activation_ends_the_stre
         held = {}
 
         async def load(res):
-            held["release"], held["done"] = await _hold_engine_thread(engine)
+            held["release"], held["done"] = await hold_engine_thread(engine)
             await engine.abort("r")  # queued behind the held step, before the activation
             return 300, None
 
