@@ -247,12 +247,10 @@ class DecodeWorker(WorkerBase, decode_pb2_grpc.DecodeServiceServicer):
             raise RequestAbortedError(f"request {req.request_id} was aborted")
         block_ids, llm, rid = res.block_ids, self.engine.engine, req.request_id  # block_ids: filled in place
         wait_s = self.options.handoff_timeout_s
-
-        def write_now(batch) -> None:  # a doorbell thread: the reservation may still be on its way
-            _write_blocks(llm, rid, res.wait_blocking(wait_s), batch)
-
         dest = KVDestination(block_ids, lambda batch: self._write(rid, block_ids, batch), res.num_cached_blocks,
-                             write_now, reserved=None if res.done else res.wait)
+                             lambda batch: _write_blocks(llm, rid, block_ids, batch),
+                             reserved=None if res.done else res.wait,
+                             reserved_blocking=None if res.done else lambda: res.wait_blocking(wait_s))
         req.handoff_task = asyncio.create_task(
             self.transport.pull(addr, HandoffRequest(req.request_id, ids, params, priority, req.cache_salt or "",
                                          req.deadline, req.client_request_id), dest))

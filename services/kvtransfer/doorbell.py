@@ -118,6 +118,9 @@ class DoorbellHandoff:
     write: Callable[[list[ReceivedChunk | DirectChunk]], None]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future  # of kv_pb2.PrefillDone
+    # Blocks until the destination blocks are reserved (an early start); raises if they never
+    # will be. Called before the lock, so a transport giving up never waits for a reservation.
+    ready: Callable[[], None] | None = None
     first_chunk_at: float | None = None
     written_at: float | None = None
     live: bool = True  # False once the transport gave the hand-off up: later frames are dropped
@@ -212,6 +215,12 @@ class DoorbellServer:
         if h is None:
             return  # a hand-off the transport already gave up (it told the prefill worker on gRPC)
         done = frame.done if frame.HasField("done") else None
+        if h.ready is not None:
+            try:
+                h.ready()
+            except Exception as e:  # noqa: BLE001 - the reservation failed or was given up
+                h.resolve(e)
+                return
         with h.lock:  # the transport's give_up waits for the write
             if not h.live:
                 return

@@ -83,11 +83,13 @@ class KVDestination:
     write: WriteFn  # checks each chunk's checksum and copies it into block_ids (on the engine thread)
     num_cached_blocks: int = 0  # leading block_ids that already hold their K/V (prefix-cache hits)
     # The same write, synchronous and callable from any thread (doorbell hand-offs); None: no doorbell.
-    # With `reserved`, it waits for the reservation itself.
     write_now: Callable[[list[ReceivedChunk]], None] | None = None
     # Early start (AsyncEngine.generate_prefilled): the blocks are still being reserved. The pull
-    # sends PrefillStart at once and awaits this before it reads anything that leads to a write.
+    # sends PrefillStart at once and awaits `reserved` before it reads anything that leads to a
+    # write; the doorbell thread calls `reserved_blocking` before it writes. Both raise if the
+    # reservation failed.
     reserved: Callable[[], Awaitable[object]] | None = None
+    reserved_blocking: Callable[[], object] | None = None
 
 
 @dataclass
@@ -343,7 +345,7 @@ class GrpcKVTransport(KVTransport):
 
         h = DoorbellHandoff(ticket=secrets.token_bytes(16), accept=accept,
                             check_complete=verifier.check_complete, write=dest.write_now, loop=loop,
-                            future=loop.create_future())
+                            future=loop.create_future(), ready=dest.reserved_blocking)
         self.doorbell.register(h)
         return h
 

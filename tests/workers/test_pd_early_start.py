@@ -240,3 +240,31 @@ async def test_early_start_off_reserves_first():
         assert got == await reference_tokens(prompt, PARAMS)
     finally:
         await stop_pair(pair)
+
+
+async def test_an_abort_while_the_doorbell_waits_for_the_reservation_frees_everything(tmp_path):
+    """The doorbell thread waits for the reservation outside the hand-off's lock, so an abort
+    that gives the hand-off up meanwhile neither blocks the event loop nor strands a block."""
+    popts = WorkerOptions(kv_shm_dir=str(tmp_path))
+    # A doorbell thread waiting inside the lock would hold the loop until the engine thread is let go.
+    dopts = WorkerOptions(kv_shm_dir=str(tmp_path), kv_shm_bytes=4 << 20, handoff_timeout_s=120)
+    pair = await start_pair(prefill_options=popts, decode_options=dopts)
+    try:
+        release, blocker = await hold_engine_thread(pair.decode.engine)
+        task = asyncio.create_task(_tokens(pair.client.generate(list(range(30, 90)), PARAMS, request_id="r",
+                                                                prefill_addr=pair.prefill_addr)))
+        try:
+            await wait_until(_async(lambda: any(lease.compute_done for lease in pair.prefill.leases.by_request("r"))),
+                             what="the prefill worker to ring")
+            # The loop must stay free: this call and the abort complete while the engine thread is held.
+            assert await asyncio.wait_for(pair.client.abort("r"), 10)
+            await wait_until(_async(lambda: pair.decode.active_handoffs() == 0), what="the hand-off to end")
+            assert not blocker.done()
+        finally:
+            release.set()
+        await blocker
+        got = await task  # aborted: no token, or none beyond what came before the abort
+        assert got == []
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
