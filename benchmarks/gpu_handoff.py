@@ -12,7 +12,11 @@ Under load (rows handoff_loaded_*): the same TTFT at the longest prompt while th
 runs a batch of other requests' decode steps, as a decode worker in production does. Unified, the
 prompt joins that batch as a mixed step; disaggregated, the decode worker's reservation and
 activation each wait for the step in flight. `cuda-ipc-reserve-first` (--no-kv-early-start)
-reserves before it asks the prefill worker to start, the early start's baseline.
+reserves before it asks the prefill worker to start, the early start's baseline. Here both
+engines share one GPU (and this process's host threads), so the prefill competes with the decode
+batch as it would not on a GPU of its own: these rows time the control path under load, not the
+isolation that disaggregation buys (benchmarks/disagg_interference.py measures that with worker
+processes on CPU).
 
 On CPU (--cpu-smoke) the plane cannot open, so the CUDA IPC workers are wired as the tests do it:
 the prefill worker answers as a GPU one would, and the decode worker opens the handle as the
