@@ -52,13 +52,14 @@ class Pair:
 
 async def start_pair(model: Path | str = BUNDLED_MODEL, num_kv_blocks: int = 96,
                      prefill_options: WorkerOptions | None = None,
-                     decode_options: WorkerOptions | None = None) -> Pair:
+                     decode_options: WorkerOptions | None = None, **decode_engine_args) -> Pair:
+    """decode_engine_args: more EngineArgs for the decode worker's engine (e.g. async_scheduling)."""
     from kvrelay.decode.worker import DecodeWorker
     from kvrelay.prefill.worker import PrefillWorker
 
     popts = prefill_options or WorkerOptions()
     p = PrefillWorker(make_engine(EngineArgs(model=str(model), num_kv_blocks=num_kv_blocks), popts), popts)
-    d = DecodeWorker(AsyncEngine(EngineArgs(model=str(model), num_kv_blocks=num_kv_blocks)),
+    d = DecodeWorker(AsyncEngine(EngineArgs(model=str(model), num_kv_blocks=num_kv_blocks, **decode_engine_args)),
                      decode_options or WorkerOptions())
     pp, dp = await p.start(), await d.start()
     return Pair(p, d, f"127.0.0.1:{pp}", f"127.0.0.1:{dp}", DecodeClient(f"127.0.0.1:{dp}"))

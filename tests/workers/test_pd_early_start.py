@@ -268,3 +268,38 @@ async def test_an_abort_while_the_doorbell_waits_for_the_reservation_frees_every
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
     finally:
         await stop_pair(pair)
+
+
+async def test_hand_offs_join_an_async_scheduled_batch_with_single_process_tokens():
+    """A decode worker with async scheduling (step N+1 launched before step N's tokens are read)
+    takes hand-offs while its batch decodes: the first token goes out before the activation, the
+    sequence joins between launches, and every request's tokens are a single process's."""
+    pair = await start_pair(async_scheduling=True)
+    try:
+        assert pair.decode.engine.engine.overlap is not None
+        rng = random.Random(11)
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        seeded = SamplingParams(temperature=0.9, top_k=30, seed=5, max_tokens=12, ignore_eos=True)
+        background = [[rng.randrange(3, 512) for _ in range(24)] for _ in range(3)]
+        handed = [([rng.randrange(3, 512) for _ in range(n)], params)
+                  for n, params in ((17, PARAMS), (70, seeded), (33, PARAMS))]
+        streamed: list[list[int]] = [[] for _ in background]
+
+        async def decode(k: int) -> None:
+            async for out in pair.client.generate(background[k], long):
+                streamed[k] += out.new_token_ids
+
+        running = [asyncio.create_task(decode(k)) for k in range(len(background))]
+        await wait_until(_async(lambda: all(streamed)), what="the batch to decode")
+        got = [await _tokens(pair.client.generate(p, params, prefill_addr=pair.prefill_addr)) for p, params in handed]
+        for task in running:  # still decoding: each of 400 tokens takes a step
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        assert got == [await reference_tokens(p, params) for p, params in handed]
+        for prompt, tokens in zip(background, streamed, strict=True):
+            assert 0 < len(tokens) < long.max_tokens
+            assert tokens == (await reference_tokens(prompt, long))[:len(tokens)]
+        assert _count(pair.decode.metrics.kv_handoffs, "ack") == 3
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
