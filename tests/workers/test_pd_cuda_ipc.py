@@ -39,6 +39,7 @@ from pd_helpers import (
     stop_pair,
     wait_until,
 )
+from test_pd_early_start import prefill_done_before_reservation
 from test_pd_failures import PROMPT, SLOW_PREFILL, _handoff_started, _tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -305,6 +306,24 @@ def test_ipc_doorbell_of_a_killed_decode_worker_is_swept_by_the_next_one(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("doorbell", [False, True], ids=["stream", "doorbell"])
+async def test_cuda_ipc_chunks_that_come_before_the_reservation_wait_for_it(monkeypatch, tmp_path, doorbell):
+    """Early start on the CUDA IPC protocol: the decode worker's engine thread is held (a long step)
+    until the prefill worker has computed and sent every chunk header; the copies wait for the
+    reservation (in the doorbell thread, or in the stream), then land: single-process tokens."""
+    pair = await _cpu_ipc_pair(monkeypatch, streaming=False, doorbell_dir=tmp_path if doorbell else None)
+    try:
+        prompt = [random.Random(8).randrange(3, 512) for _ in range(90)]
+        got = await prefill_done_before_reservation(pair, prompt, GREEDY, "early")
+        assert got == await reference_tokens(prompt, GREEDY)
+        assert pair.decode.metrics.fallbacks.labels("local")._value.get() == 0
+        assert pair.decode.metrics.kv_plane_bytes.labels("cuda-ipc")._value.get() > 0
+        assert pair.prefill.metrics.doorbells.labels("connected")._value.get() == (1 if doorbell else 0)
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -386,6 +405,36 @@ async def test_cuda_ipc_on_gpu_equals_single_process(tmp_path, plane, doorbell, 
         await assert_all_free(p.engine, d.engine)
     finally:
         await client.close()
+        await p.stop(0)
+        await d.stop(0)
+        await ref.shutdown()
+
+
+@cuda
+async def test_cuda_ipc_frames_that_come_before_the_reservation_wait_for_it_on_gpu(tmp_path):  # pragma: no cover
+    """The same on the GPU: the ringer thread rings once the copy stream has the checksums, the
+    decode worker's doorbell thread waits for the reservation, then copies device to device."""
+    from kvrelay.decode.worker import DecodeWorker
+    from kvrelay.prefill.worker import PrefillWorker
+
+    args = {"device": "cuda", "num_kv_blocks": 96}
+    p = PrefillWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)),
+                      WorkerOptions(stream_min_tokens=0, layer_group_size=2))
+    d = DecodeWorker(AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args)),
+                     WorkerOptions(kv_transport="cuda-ipc", kv_shm_dir=str(tmp_path)))
+    pp, dp = await p.start(), await d.start()
+    ref = AsyncEngine(EngineArgs(model=str(BUNDLED_MODEL), **args))
+    await ref.start()
+    pair = SimpleNamespace(prefill=p, decode=d, prefill_addr=f"127.0.0.1:{pp}", client=DecodeClient(f"127.0.0.1:{dp}"))
+    try:
+        for i, params in enumerate((GREEDY, SEEDED)):
+            got = await prefill_done_before_reservation(pair, PROMPT, params, f"early{i}")
+            assert got == await _tokens(ref.generate(PROMPT, params))
+        assert d.metrics.fallbacks.labels("local")._value.get() == 0
+        assert p.metrics.doorbells.labels("connected")._value.get() == 2
+        await assert_all_free(p.engine, d.engine)
+    finally:
+        await pair.client.close()
         await p.stop(0)
         await d.stop(0)
         await ref.shutdown()

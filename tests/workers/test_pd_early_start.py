@@ -186,7 +186,7 @@ def _async(fn):
 # ---- real workers: the prefill finishes before the decode side has reserved -------------------------
 
 
-async def _prefill_done_before_reservation(pair, prompt: list[int], params, rid: str) -> list[int]:
+async def prefill_done_before_reservation(pair, prompt: list[int], params, rid: str) -> list[int]:
     """Generate with the decode worker's engine thread held until the prefill worker has
     computed the prompt (and rung, on a doorbell), so every chunk waits for the reservation."""
     release, blocker = await hold_engine_thread(pair.decode.engine)
@@ -219,7 +219,7 @@ async def test_chunks_that_arrive_before_the_reservation_wait_for_it(tmp_path, p
         rng = random.Random(7)
         for i, n in enumerate((20, 90)):  # after the prefill, and layer-streamed
             prompt = [rng.randrange(3, 512) for _ in range(n)]
-            got = await _prefill_done_before_reservation(pair, prompt, PARAMS, f"r{i}")
+            got = await prefill_done_before_reservation(pair, prompt, PARAMS, f"r{i}")
             assert got == await reference_tokens(prompt, PARAMS)
         m = pair.decode.metrics
         assert _count(m.kv_handoffs, "ack") == 2
