@@ -18,6 +18,8 @@ Runs on a bare GPU machine with torch, triton and transformers: kvrelay is mappe
 - spec: speculative decoding on the 1B shapes (benchmarks/gpu_spec.py);
 - handoff: prefill/decode hand-off TTFT at 512-4000 tokens, unified vs K/V on gRPC vs the CUDA IPC
   plane (benchmarks/gpu_handoff.py);
+- handoff_procs: the same with the prefill and decode workers in their own processes, a real CUDA
+  IPC handle between them (benchmarks/gpu_handoff_procs.py);
 - moe: a Mixtral-shaped model (8 experts, top-2) with graphs, eager and the torch MoE reference
   (benchmarks/gpu_moe.py);
 - parallel: stories260K greedy through the tensor/pipeline worker path (torch.distributed, NCCL) at
@@ -42,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_word_tokenizer
 from gpu_handoff import section_handoff
+from gpu_handoff_procs import section_handoff_procs
 from gpu_kernels_section import profiled_kernel_ms, section_kernels
 from gpu_moe import section_moe
 from gpu_spec import section_spec
@@ -369,7 +372,7 @@ def section_fp8_engine(rep: Report, bf16_engine, model_dir: Path, reqs, device: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: every section runs, no timing")
-    p.add_argument("--only", default="parity,step,throughput,fp8,spec,handoff,moe,parallel,kernels")
+    p.add_argument("--only", default="parity,step,throughput,fp8,spec,handoff,handoff_procs,moe,parallel,kernels")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline (~25 s on an H200)")
     p.add_argument("--handoff-repeats", type=int, default=None,
@@ -403,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "parity" in sections:
         run("parity", section_parity, rep, device, smoke)
-    if sections & {"step", "throughput", "fp8", "spec", "handoff"}:
+    if sections & {"step", "throughput", "fp8", "spec", "handoff", "handoff_procs"}:
         config = TINY if smoke else LLAMA_1B
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = make_1b_dir(Path(tmp) / "model", config, device)
@@ -432,9 +435,11 @@ def main(argv: list[str] | None = None) -> int:
             if "fp8" in sections:
                 run("fp8_engine", section_fp8_engine, rep, engine, model_dir, reqs, device)
             del engine
+            repeats = args.handoff_repeats or (1 if smoke else 3)
             if "handoff" in sections:  # before spec: issue 21's targets, if the time runs out
-                repeats = args.handoff_repeats or (1 if smoke else 3)
                 run("handoff", section_handoff, rep, model_dir, vocab, device, smoke, kw, repeats)
+            if "handoff_procs" in sections:
+                run("handoff_procs", section_handoff_procs, rep, model_dir, vocab, device, smoke, repeats)
             if "spec" in sections:
                 spec_kw = {k: v for k, v in kw.items() if k != "max_num_seqs"}
                 run("spec", section_spec, rep, model_dir, vocab, device, smoke, spec_kw)

@@ -30,6 +30,8 @@ def test_gpu_engine_cpu_smoke_runs_every_section(tmp_path):
     assert "hand-off 100 tokens over cuda-ipc-reserve-first" in summary
     assert "under load (8 requests decoding" in summary and "over cuda-ipc: TTFT" in summary
     assert "decode: reserve <" in summary
+    assert "hand-off 100 tokens, workers in their own processes" in summary
+    assert "hand-offs the decode worker prefilled locally instead: 0" in summary
     assert "moe Mixtral-shape triton eager" in summary and "moe greedy torch vs triton eager: 4/4 identical" in summary
     assert "moe greedy fp8 triton eager vs fp8 torch: 4/4 identical" in summary
     assert "parallel stories260K greedy, cpu mp world size 1: 4/4 identical" in summary
