@@ -132,9 +132,11 @@ class DoorbellHandoff:
         self.loop.call_soon_threadsafe(_settle, self.future, value)
 
     def give_up(self) -> None:
-        """The transport stops waiting: once this returns, no write is running or will start."""
+        """The transport stops waiting: once this returns, no write is running or will start
+        (event loop thread). An outcome that still comes is dropped, not reported as unread."""
         with self.lock:
             self.live = False
+        self.future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _settle(fut, value) -> None:

@@ -189,7 +189,6 @@ class GrpcKVTransport(KVTransport):
         # the RPC before the explicit abort message could go out.
         inner = asyncio.create_task(self._run(call, request, dest, attempt))
         done_ok = False
-        writer_stopped = True  # no prefill-side code can still write into the region
         try:
             async with asyncio.timeout(timeout_s):
                 result = await asyncio.shield(inner)
@@ -206,22 +205,29 @@ class GrpcKVTransport(KVTransport):
         finally:
             if attempt.doorbell is not None:
                 self.doorbell.unregister(attempt.doorbell)  # before the caller frees the blocks
-            if not done_ok:
-                # A doorbell hand-off's watcher reads the stream: do not read it twice.
-                drain = inner.done() and attempt.watcher is None
-                writer_stopped = await asyncio.shield(
-                    _abort_call(call, "decode side gave up the hand-off", drain=drain))
-                inner.cancel()
-                if attempt.watcher is not None:
-                    attempt.watcher.cancel()
-                await asyncio.gather(inner, return_exceptions=True)
-            if region is not None:
-                if writer_stopped:
-                    self.arena.free(region)  # engine-thread writes already queued only read it
-                else:
-                    # The prefill worker never confirmed it stopped: it might still be copying a
-                    # chunk into the region, which must not reach another hand-off's K/V.
-                    asyncio.get_running_loop().call_later(self.shm_quarantine_s, self.arena.free, region)
+            # To its end even if this task is cancelled again meanwhile (a client that hangs up
+            # while its abort is on the way): stopped halfway, it would strand the region.
+            await _to_completion(self._end(call, inner, attempt, done_ok))
+
+    async def _end(self, call, inner: asyncio.Task, attempt: _Attempt, done_ok: bool) -> None:
+        """After a pull: end the exchange (unless it completed), then give the region back, or
+        hold it while the prefill worker might still write into it."""
+        writer_stopped = True  # no prefill-side code can still write into the region
+        if not done_ok:
+            # A doorbell hand-off's watcher reads the stream: do not read it twice.
+            drain = inner.done() and attempt.watcher is None
+            writer_stopped = await _abort_call(call, "decode side gave up the hand-off", drain=drain)
+            inner.cancel()
+            if attempt.watcher is not None:
+                attempt.watcher.cancel()
+            await asyncio.gather(inner, return_exceptions=True)
+        if attempt.region is not None:
+            if writer_stopped:
+                self.arena.free(attempt.region)  # engine-thread writes already queued only read it
+            else:
+                # The prefill worker never confirmed it stopped: it might still be copying a
+                # chunk into the region, which must not reach another hand-off's K/V.
+                asyncio.get_running_loop().call_later(self.shm_quarantine_s, self.arena.free, attempt.region)
 
     async def _run(self, call, request: HandoffRequest, dest: KVDestination, attempt: _Attempt) -> HandoffResult:
         region = attempt.region
@@ -379,6 +385,21 @@ class _Attempt:
     prefill_addr: str = ""
     doorbell: DoorbellHandoff | None = None
     watcher: asyncio.Task | None = None  # reads the stream of a doorbell hand-off
+
+
+async def _to_completion(coro) -> None:
+    """Await coro as a task that runs to its end whatever happens to the awaiting task; a cancel
+    that arrives meanwhile is raised once it has ended."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()
 
 
 async def _ack_on_stream(call) -> None:

@@ -360,3 +360,35 @@ def test_workers_exit_cleanly_on_sigterm(spawn):
         w = spawn(role)
         w.stop()
         assert w.proc.returncode == 0, "".join(w.lines)
+
+
+async def test_a_pull_cleanup_runs_to_its_end_through_a_second_cancel():
+    """The pull's clean-up (abort towards the prefill worker, free or quarantine the region) runs
+    in full even when the task is cancelled again during it: a client that hangs up while its
+    abort is on the way once cut it short and leaked the shared-memory region."""
+    from kvrelay.kvtransfer.transport import _to_completion
+
+    steps = []
+
+    async def cleanup():
+        steps.append("start")
+        await asyncio.sleep(0.05)
+        steps.append("middle")
+        await asyncio.sleep(0.05)
+        steps.append("end")
+
+    async def pull():
+        try:
+            await asyncio.sleep(30)
+        finally:
+            await _to_completion(cleanup())
+
+    task = asyncio.create_task(pull())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    while not steps:
+        await asyncio.sleep(0.001)
+    task.cancel()  # lands during the clean-up
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert steps == ["start", "middle", "end"]
