@@ -75,7 +75,7 @@ class Reservation:
         if not self.done:
             if self._future is None:
                 self._future = asyncio.get_running_loop().create_future()
-            await self._future
+            await asyncio.shield(self._future)  # a cancelled waiter leaves it to the others
         return self._result()
 
     def wait_blocking(self, timeout_s: float) -> list[int]:

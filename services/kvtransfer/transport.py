@@ -214,6 +214,9 @@ class GrpcKVTransport(KVTransport):
         hold it while the prefill worker might still write into it."""
         writer_stopped = True  # no prefill-side code can still write into the region
         if not done_ok:
+            if attempt.awaiting_reservation:  # it reads nothing yet: stop it, so the stream is drained below
+                inner.cancel()
+                await asyncio.gather(inner, return_exceptions=True)
             # A doorbell hand-off's watcher reads the stream: do not read it twice.
             drain = inner.done() and attempt.watcher is None
             writer_stopped = await _abort_call(call, "decode side gave up the hand-off", drain=drain)
@@ -261,7 +264,9 @@ class GrpcKVTransport(KVTransport):
                     self.sources.prune()
         await call.write(kv_pb2.PrefillClientMessage(start=start))
         if dest.reserved is not None:  # the prefill computes meanwhile; its messages wait in the stream
+            attempt.awaiting_reservation = True
             await dest.reserved()
+            attempt.awaiting_reservation = False
         rx = await _read(call)
         if rx.kind() != "header":
             raise PrefillFailedError(f"hand-off began with {rx.kind()!r}, expected a header")
@@ -385,6 +390,9 @@ class _Attempt:
     prefill_addr: str = ""
     doorbell: DoorbellHandoff | None = None
     watcher: asyncio.Task | None = None  # reads the stream of a doorbell hand-off
+    # The exchange waits for an early start's reservation and reads nothing from the stream yet:
+    # cancelling it then cannot cancel the RPC (which a cancel inside call.read() would).
+    awaiting_reservation: bool = False
 
 
 async def _to_completion(coro) -> None:
