@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: a ~30M-parameter Llama folder, workloads, RSS."""
+"""Helpers shared by the benchmark scripts: a ~30M-parameter Llama folder, workloads, RSS, worker
+processes."""
 
 from __future__ import annotations
 
@@ -87,3 +88,47 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class WorkerProcess:
+    """A `kvrelay prefill|decode` process (cmd) whose /metrics is on metrics_port: wait_ready() reads
+    its output until it listens (start several first, then wait for each), then drains it in a thread."""
+
+    def __init__(self, cmd: list[str], metrics_port: int, env: dict | None = None):
+        import subprocess
+
+        self.role, self.metrics_port = cmd[cmd.index("kvrelay.cli") + 1], metrics_port
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+
+    def wait_ready(self, timeout_s: float = 600) -> None:
+        import re
+        import threading
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = re.search(r"kvrelay \w+ listening on ([\d.]+):(\d+)", line)
+            if m:
+                self.addr = f"{m.group(1)}:{m.group(2)}"
+                threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+                return
+            if time.monotonic() > deadline:
+                break
+        stop_process(self.proc)
+        raise RuntimeError(f"{self.role} worker did not start:\n{''.join(self.lines[-30:])}")
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """A sample of its /metrics page (`name{labels}`); 0 if absent."""
+        import urllib.request
+
+        key = f"{name}{{{labels}}}" if labels else name
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(key + " "):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def stop(self) -> None:
+        stop_process(self.proc)

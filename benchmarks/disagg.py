@@ -37,15 +37,11 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from kvrelay.engine.sampling_params import SamplingParams
@@ -54,7 +50,7 @@ from kvrelay.kvtransfer.client import DecodeClient
 from kvrelay.models import BUNDLED_MODEL
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import free_port, stop_process
+from common import WorkerProcess, free_port
 
 CONFIG = {  # ~32M parameters: 5 layers x 6.3M + embeddings; GQA 12 query / 4 KV heads of 64
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 768,
@@ -73,7 +69,7 @@ def make_model(root: Path) -> Path:
     return d
 
 
-class Worker:
+class Worker(WorkerProcess):
     def __init__(self, role: str, model: Path, core: int | None, metrics_port: int, *extra: str):
         cmd = [sys.executable, "-m", "kvrelay.cli", role, "--model", str(model), "--load-format", "dummy",
                "--host", "127.0.0.1", "--port", "0", "--metrics-port", str(metrics_port),
@@ -81,27 +77,10 @@ class Worker:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if core is not None and shutil.which("taskset"):
             cmd = ["taskset", "-c", str(core), *cmd]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        super().__init__(cmd, metrics_port, env)
         if core is not None and not shutil.which("taskset"):
             os.sched_setaffinity(self.proc.pid, {core})  # before torch starts its threads
-        self.metrics_port = metrics_port
-        for line in self.proc.stdout:
-            m = re.search(r"kvrelay \w+ listening on ([\d.]+):(\d+)", line)
-            if m:
-                self.addr = f"{m.group(1)}:{m.group(2)}"
-                threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
-                return
-        raise RuntimeError(f"{role} worker failed to start")
-
-    def metric(self, name: str) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith(name + " "):
-                    return float(line.split()[1])
-        return 0.0
-
-    def stop(self) -> None:
-        stop_process(self.proc)
+        self.wait_ready(timeout_s=300)
 
 
 async def one_request(client: DecodeClient, prompt: list[int], params, prefill_addr) -> tuple[float, float]:

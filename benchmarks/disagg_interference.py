@@ -33,7 +33,7 @@ from kvrelay.kvtransfer.client import DecodeClient
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import free_port
-from disagg import AFTER, SHM, Worker, make_model, pin_this_process
+from disagg import AFTER, SHM, Worker, make_model, one_request, pin_this_process
 
 CONFIGS = (  # name, prefill worker flags (None: unified), decode worker flags
     ("unified", None, ()),
@@ -64,14 +64,14 @@ async def run_config(model: Path, flags, decode_flags, cores, args, prompts: lis
     tasks = []
     try:
         # Warm-up: one long prompt on this path before the streams start.
-        await _ttft(client, [rng.randrange(3, 512) for _ in range(args.prompt_tokens)], one, addr)
+        await one_request(client, [rng.randrange(3, 512) for _ in range(args.prompt_tokens)], one, addr)
         tasks = [asyncio.create_task(stream(k)) for k in range(args.streams)]
         while min(len(a) for a in arrivals) < 5:
             await asyncio.sleep(0.05)
         quiet_from = time.perf_counter()
         await asyncio.sleep(args.quiet_s)
         busy_from = time.perf_counter()
-        ttfts = [await _ttft(client, p, one, addr) for p in prompts]
+        ttfts = [(await one_request(client, p, one, addr))[0] for p in prompts]
         busy_to = time.perf_counter()
     finally:
         for t in tasks:
@@ -83,14 +83,6 @@ async def run_config(model: Path, flags, decode_flags, cores, args, prompts: lis
             prefill.stop()
     return {"quiet": _itls(arrivals, quiet_from, busy_from), "busy": _itls(arrivals, busy_from, busy_to),
             "ttft": statistics.median(ttfts)}
-
-
-async def _ttft(client: DecodeClient, prompt: list[int], params, addr) -> float:
-    started = time.perf_counter()
-    async for out in client.generate(prompt, params, prefill_addr=addr):
-        if out.new_token_ids:
-            return time.perf_counter() - started
-    raise RuntimeError("no token")
 
 
 def _itls(arrivals: list[list[float]], start: float, end: float) -> list[float]:

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 
-async def _ttft(client, prompt: list[int], prefill_addr: str | None) -> tuple[float, list[int]]:
+async def ttft(client, prompt: list[int], prefill_addr: str | None) -> tuple[float, list[int]]:
     from kvrelay.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -85,7 +85,7 @@ async def _run(rep, model_dir: Path, vocab: int, device: str, smoke: bool, engin
                     d = decodes[mode]
                     before = (d.metrics.kv_bytes._value.get(), d.metrics.kv_seconds._sum.get())
                     compute_before = prefill.metrics.ttft._sum.get()
-                    t, tokens = await _ttft(client, p, None if mode == "unified" else paddr)
+                    t, tokens = await ttft(client, p, None if mode == "unified" else paddr)
                     if i:
                         times[mode].append(t)
                         answers[mode].append(tokens)
@@ -122,7 +122,7 @@ async def _run(rep, model_dir: Path, vocab: int, device: str, smoke: bool, engin
                 for _ in range(max(3, repeats)):
                     p = [rng.randrange(3, vocab) for _ in range(lengths[-1])]
                     started = tracer.start()
-                    t, _ = await _ttft(clients[mode], p, paddr)
+                    t, _ = await ttft(clients[mode], p, paddr)
                     tracer.record(started, t)
             stages = tracer.medians()
             rep.add(f"handoff_trace_{mode}_{lengths[-1]}", dict(stages),
@@ -163,7 +163,7 @@ async def _under_load(rep, clients, decodes, paddr: str, n: int, vocab: int, rng
                 p = [rng.randrange(3, vocab) for _ in range(n)]
                 with tracer.installed():
                     started_at = tracer.start()
-                    t, _ = await _ttft(client, p, None if mode == "unified" else paddr)
+                    t, _ = await ttft(client, p, None if mode == "unified" else paddr)
                 if i:
                     times.append(t)
                     tracer.record(started_at, t)

@@ -16,68 +16,26 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
-import urllib.request
 from pathlib import Path
 
-from common import free_port, stop_process
+from common import WorkerProcess, free_port
+from gpu_handoff import ttft
 
 PLANES = ("grpc", "cuda-ipc", "shm")
 
 
-class WorkerProcess:
-    """`kvrelay ROLE` on a free loopback port, with /metrics; its output drained in a thread."""
-
-    def __init__(self, role: str, model_dir: Path, device: str, *extra: str):
-        self.role, self.metrics_port = role, free_port()
-        cmd = [sys.executable, "-m", "kvrelay.cli", role, "--model", str(model_dir), "--host", "127.0.0.1",
-               "--port", "0", "--metrics-port", str(self.metrics_port), "--device", device, "--enforce-eager", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-
-    def wait_ready(self, timeout_s: float = 600) -> None:
-        """Until the worker listens (both workers start side by side: start them all, then wait)."""
-        deadline = time.monotonic() + timeout_s
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = re.search(r"kvrelay \w+ listening on ([\d.]+):(\d+)", line)
-            if m:
-                self.addr = f"{m.group(1)}:{m.group(2)}"
-                threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
-                return
-            if time.monotonic() > deadline:
-                break
-        raise RuntimeError(f"{self.role} worker did not start:\n{''.join(self.lines[-30:])}")
-
-    def metric(self, name: str, labels: str = "") -> float:
-        key = f"{name}{{{labels}}}" if labels else name
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith(key + " "):
-                    return float(line.rsplit(" ", 1)[1])
-        return 0.0
-
-    def plane_bytes(self) -> dict[str, float]:
-        return {p: self.metric("kvrelay:kv_plane_transfer_bytes_total", f'plane="{p}"') for p in PLANES}
+def _worker(role: str, model_dir: Path, device: str, *extra: str) -> WorkerProcess:
+    port = free_port()
+    return WorkerProcess([sys.executable, "-m", "kvrelay.cli", role, "--model", str(model_dir), "--host", "127.0.0.1",
+                          "--port", "0", "--metrics-port", str(port), "--device", device, "--enforce-eager", *extra],
+                         port)
 
 
-async def _ttft(client, prompt: list[int], prefill_addr: str | None) -> float:
-    from kvrelay.engine.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    started, first = time.perf_counter(), None
-    async for out in client.generate(prompt, params, prefill_addr=[prefill_addr] if prefill_addr else []):
-        if out.new_token_ids and first is None:
-            first = time.perf_counter() - started
-    if first is None:
-        raise RuntimeError("no token")
-    return first
+def _plane_bytes(worker: WorkerProcess) -> dict[str, float]:
+    return {p: worker.metric("kvrelay:kv_plane_transfer_bytes_total", f'plane="{p}"') for p in PLANES}
 
 
 async def _measure(rep, decode: WorkerProcess, prefill: WorkerProcess, vocab: int, lengths, repeats: int) -> None:
@@ -87,14 +45,14 @@ async def _measure(rep, decode: WorkerProcess, prefill: WorkerProcess, vocab: in
     async with DecodeClient(decode.addr) as client:
         for n in lengths:
             times: dict[str, list[float]] = {"unified": [], "cuda-ipc": []}
-            before = decode.plane_bytes()
+            before = _plane_bytes(decode)
             for i in range(repeats + 1):  # the first warms kernels and connections
                 for mode, measured in times.items():
                     prompt = [rng.randrange(3, vocab) for _ in range(n)]  # fresh: no prefix-cache hit
-                    t = await _ttft(client, prompt, prefill.addr if mode == "cuda-ipc" else None)
+                    t, _ = await ttft(client, prompt, prefill.addr if mode == "cuda-ipc" else None)
                     if i:
                         measured.append(t)
-            moved = {p: b - before[p] for p, b in decode.plane_bytes().items() if b > before[p]}
+            moved = {p: b - before[p] for p, b in _plane_bytes(decode).items() if b > before[p]}
             med = {m: statistics.median(v) * 1e3 for m, v in times.items()}
             rep.add(f"handoff_procs_{n}", {"unified_ms": med["unified"], "disaggregated_ms": med["cuda-ipc"],
                                            "bytes_by_plane": moved},
@@ -108,8 +66,8 @@ async def _measure(rep, decode: WorkerProcess, prefill: WorkerProcess, vocab: in
 def section_handoff_procs(rep, model_dir: Path, vocab: int, device: str, smoke: bool, repeats: int) -> None:
     kv = ("--kv-cache-memory", "64MiB" if smoke else "2GiB")
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as shm_dir:
-        workers = [WorkerProcess("prefill", model_dir, device, *kv),
-                   WorkerProcess("decode", model_dir, device, *kv, "--kv-transport", "cuda-ipc", "--kv-shm-dir", shm_dir)]
+        workers = [_worker("prefill", model_dir, device, *kv),
+                   _worker("decode", model_dir, device, *kv, "--kv-transport", "cuda-ipc", "--kv-shm-dir", shm_dir)]
         try:
             for w in workers:
                 w.wait_ready()
@@ -117,4 +75,4 @@ def section_handoff_procs(rep, model_dir: Path, vocab: int, device: str, smoke: 
             asyncio.run(_measure(rep, workers[1], workers[0], vocab, lengths, repeats))
         finally:
             for w in workers:
-                stop_process(w.proc)
+                w.stop()

@@ -4,6 +4,7 @@ subprocesses (for kill tests), and the stranded-block checks."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import re
 import shutil
@@ -173,11 +174,16 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
 
 
 async def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition") -> None:
+    """Poll predicate (a function returning a bool, or an awaitable of one) until it holds."""
     deadline = time.monotonic() + timeout_s
-    while not await predicate():
+    while not await _truth(predicate()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+async def _truth(value) -> bool:
+    return bool(await value) if inspect.isawaitable(value) else bool(value)
 
 
 async def reference_tokens(prompt: list[int], params, model: Path | str = BUNDLED_MODEL) -> list[int]:

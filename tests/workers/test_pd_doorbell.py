@@ -67,13 +67,6 @@ async def _assert_same_as_single_process(pair, ref: AsyncEngine, prompt: list[in
     assert _tokens_and_logprobs(got) == _tokens_and_logprobs(await _outputs(ref.generate(prompt, params)))
 
 
-async def _until(condition, what: str) -> None:
-    async def check():
-        return condition()
-
-    await wait_until(check, what=what)
-
-
 def _ack_delays(metrics) -> float:
     return next(s.value for s in metrics.doorbell_ack_delay.collect()[0].samples if s.name.endswith("_count"))
 
@@ -125,7 +118,7 @@ async def test_broken_doorbell_fails_over_the_stream_and_strands_nothing(tmp_pat
         prompt = list(range(40, 190))
         want = _tokens_and_logprobs(await _outputs(ref.generate(prompt, SEEDED)))
         task = asyncio.create_task(_outputs(pair.client.generate(prompt, SEEDED, prefill_addr=pair.prefill_addr)))
-        await _until(lambda: _count(pair.prefill.metrics.doorbells, "connected") == 1, "a rung hand-off")
+        await wait_until(lambda: _count(pair.prefill.metrics.doorbells, "connected") == 1, what="a rung hand-off")
         await asyncio.sleep(0.3)  # a chunk or two are through
         pair.decode.doorbell.close()
         assert _tokens_and_logprobs(await asyncio.wait_for(task, 30)) == want
@@ -210,7 +203,7 @@ async def test_frames_reach_only_a_live_hand_off_and_a_bad_header_writes_nothing
         with pytest.raises(ChunkError, match="bad header"):
             await asyncio.wait_for(bad.future, 5)
         assert ran == ["live:2", "live:1"]  # nothing for the given-up, unknown or bad hand-off
-        await _until(lambda: [a[0] for a in acks] == [b"live"], "the ack")
+        await wait_until(lambda: [a[0] for a in acks] == [b"live"], what="the ack")
         (_, read_at, written_at), = acks
         assert written_at == pytest.approx(live.written_at, abs=1e-6) and written_at <= read_at  # one clock
         assert not gone.future.done()

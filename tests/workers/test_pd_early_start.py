@@ -25,6 +25,7 @@ from pd_helpers import (
     stop_pair,
     wait_until,
 )
+from test_pd_failures import _tokens
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PREFIX = list(range(20, 84))  # 4 full blocks of 16
@@ -34,10 +35,6 @@ async def _engine(**kw) -> AsyncEngine:
     engine = AsyncEngine(EngineArgs(**kw))
     await engine.start()
     return engine
-
-
-async def _tokens(gen) -> list[int]:
-    return [t async for o in gen for t in o.new_token_ids]
 
 
 async def test_the_load_starts_before_the_reservation_with_the_probed_prefix():
@@ -159,7 +156,7 @@ async def test_a_request_cancelled_during_its_reservation_wakes_a_waiting_thread
         assert await asyncio.to_thread(waiting.wait, 10)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await wait_until(_async(lambda: bool(outcome)), what="the waiting thread to wake")
+        await wait_until(lambda: bool(outcome), what="the waiting thread to wake")
         assert outcome == ["RuntimeError"]
         release.set()
         await blocker
@@ -176,13 +173,6 @@ def _blocking_outcome(res) -> str:
     return "reserved"
 
 
-def _async(fn):
-    async def check():
-        return fn()
-
-    return check
-
-
 # ---- real workers: the prefill finishes before the decode side has reserved -------------------------
 
 
@@ -193,7 +183,7 @@ async def prefill_done_before_reservation(pair, prompt: list[int], params, rid: 
     task = asyncio.create_task(_tokens(pair.client.generate(prompt, params, request_id=rid,
                                                             prefill_addr=pair.prefill_addr)))
     try:
-        await wait_until(_async(lambda: any(lease.compute_done for lease in pair.prefill.leases.by_request(rid))),
+        await wait_until(lambda: any(lease.compute_done for lease in pair.prefill.leases.by_request(rid)),
                          what="the prefill worker to finish computing")
     finally:
         release.set()
@@ -258,11 +248,11 @@ async def test_an_abort_while_the_hand_off_waits_for_the_reservation_frees_every
         task = asyncio.create_task(_tokens(pair.client.generate(list(range(30, 90)), PARAMS, request_id="r",
                                                                 prefill_addr=pair.prefill_addr)))
         try:
-            await wait_until(_async(lambda: any(lease.compute_done for lease in pair.prefill.leases.by_request("r"))),
+            await wait_until(lambda: any(lease.compute_done for lease in pair.prefill.leases.by_request("r")),
                              what="the prefill worker to ring")
             # The loop must stay free: this call and the abort complete while the engine thread is held.
             assert await asyncio.wait_for(pair.client.abort("r"), 10)
-            await wait_until(_async(lambda: pair.decode.active_handoffs() == 0), what="the hand-off to end")
+            await wait_until(lambda: pair.decode.active_handoffs() == 0, what="the hand-off to end")
             assert not blocker.done()
         finally:
             release.set()
@@ -271,7 +261,7 @@ async def test_an_abort_while_the_hand_off_waits_for_the_reservation_frees_every
         assert got == []
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
         arena = pair.decode.arena
-        await wait_until(_async(lambda: arena.free_bytes == arena.capacity), what="the region to come back")
+        await wait_until(lambda: arena.free_bytes == arena.capacity, what="the region to come back")
     finally:
         await stop_pair(pair)
 
@@ -296,7 +286,7 @@ async def test_hand_offs_join_an_async_scheduled_batch_with_single_process_token
                 streamed[k] += out.new_token_ids
 
         running = [asyncio.create_task(decode(k)) for k in range(len(background))]
-        await wait_until(_async(lambda: all(streamed)), what="the batch to decode")
+        await wait_until(lambda: all(streamed), what="the batch to decode")
         got = [await _tokens(pair.client.generate(p, params, prefill_addr=pair.prefill_addr)) for p, params in handed]
         for task in running:  # still decoding: each of 400 tokens takes a step
             task.cancel()
@@ -356,13 +346,13 @@ async def test_cancels_and_aborts_at_random_moments_strand_nothing(tmp_path, pla
         await asyncio.gather(*background, return_exceptions=True)
     try:
         # Rarely a prefill worker's handler lasts until its call's deadline (the hand-off timeout, 15 s).
-        await wait_until(_async(lambda: pair.decode.active_handoffs() == 0 and not pair.prefill.leases._by_id),
+        await wait_until(lambda: pair.decode.active_handoffs() == 0 and not pair.prefill.leases._by_id,
                          timeout_s=40, what="every hand-off to end")
         await assert_all_free(pair.prefill.engine, pair.decode.engine)
         arena = pair.decode.arena
         # Every region back, none quarantined: a clean-up cut short by a second cancel once leaked them,
         # and an exchange stopped while it waited for its reservation left the stream undrained.
         if arena is not None:
-            await wait_until(_async(lambda: arena.free_bytes == arena.capacity), what="the arena to be free")
+            await wait_until(lambda: arena.free_bytes == arena.capacity, what="the arena to be free")
     finally:
         await stop_pair(pair)
