@@ -198,9 +198,14 @@ def section_parallel(rep: Report, device: str, smoke: bool) -> None:
     base = engine_for(BUNDLED_MODEL, device, **kv)
     want = greedy_tokens(base, PROMPTS, n)
     base.close()
-    configs = {"mp world size 1": {"distributed_executor_backend": "mp"}}
+    # The driver makes outputs while the worker computes: deferred (the CUDA default), and with
+    # async scheduling, where step N+1's input ids come from step N's samples on the driver.
+    configs = {"mp world size 1": {"distributed_executor_backend": "mp"},
+               "mp_async world size 1, async scheduling": {"distributed_executor_backend": "mp",
+                                                           "async_scheduling": True}}
     if device == "cuda" and torch.cuda.device_count() >= 2:  # one rank per GPU: NCCL refuses two on one
-        configs |= {"TP=2": {"tensor_parallel_size": 2}, "PP=2": {"pipeline_parallel_size": 2}}
+        configs |= {"TP=2": {"tensor_parallel_size": 2}, "PP=2": {"pipeline_parallel_size": 2},
+                    "TP=2_async, async scheduling": {"tensor_parallel_size": 2, "async_scheduling": True}}
     for name, kw in configs.items():
         engine = engine_for(BUNDLED_MODEL, device, **kv, **kw)
         try:
@@ -208,7 +213,7 @@ def section_parallel(rep: Report, device: str, smoke: bool) -> None:
         finally:
             engine.close()
         same = sum(g == w for g, w in zip(got, want))
-        rep.add(f"parallel_{name.split()[0].replace('=', '')}", {"identical": same, "of": len(PROMPTS)},
+        rep.add(f"parallel_{name.split()[0].replace('=', '').rstrip(',')}", {"identical": same, "of": len(PROMPTS)},
                 f"parallel stories260K greedy, {device} {name}: {same}/{len(PROMPTS)} identical to one process")
 
 

@@ -1,9 +1,12 @@
 """Tensor and pipeline parallelism on CPU: decode step time, communication per step and tokens/s
 at TP 1 and 2, PP 1 and 2 (with overlapping stages, and without: suffix "s"), against one process
-measured in the same run.
+measured in the same run. Suffix letters: "s" PP without overlapping stages; "d" the driver makes each
+step's text and outputs while the workers compute the next step (async_output, the default with CUDA
+workers); "a" --async-scheduling; "m" worker processes at world size 1 (--distributed-executor-backend mp).
 
     .venv/bin/python benchmarks/parallel.py [--batch 32] [--prompt 64] [--tokens 64]
                                             [--configs 1x1,2x1,1x2s,1x2] [--repeats 3] [--threads 1]
+    .venv/bin/python benchmarks/parallel.py --configs 1x1,1x1m,1x1md,1x1ma,2x1,2x1d,2x1a   # the driver's overlap
 
 The ~30M-parameter dummy Llama (benchmarks/common.py; --vocab and --layers change it), fp32, --batch
 requests of --prompt random token ids, each generating --tokens tokens (EOS ignored). Step time is the
@@ -29,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import LLAMA_30M, make_model_dir, workload
 
 
-def run(model_dir: str, tp: int, pp: int, overlap: bool, batch: int, prompt: int, tokens: int, threads: int,
+def run(model_dir: str, tp: int, pp: int, mode: str, batch: int, prompt: int, tokens: int, threads: int,
         vocab: int) -> dict:
+    """mode: the config's suffix letters (see the module's doc)."""
     import torch
     from kvrelay.engine.engine_args import EngineArgs
     from kvrelay.engine.llm_engine import LLMEngine
@@ -39,7 +43,9 @@ def run(model_dir: str, tp: int, pp: int, overlap: bool, batch: int, prompt: int
     torch.set_num_threads(threads)  # one process: its intra-op threads; several: each worker gets cores / N
     engine = LLMEngine(EngineArgs(model=model_dir, load_format="dummy", kv_cache_memory=256 * 2**20,
                                   tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_seqs=batch,
-                                  pipeline_overlap=overlap))
+                                  pipeline_overlap="s" not in mode, async_output="d" in mode or "a" in mode,
+                                  async_scheduling="a" in mode,
+                                  distributed_executor_backend="mp" if "m" in mode else None))
     try:
         reqs = workload(batch, (prompt, prompt), (tokens, tokens), vocab)
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -81,7 +87,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--configs", default="1x1,2x1,1x2s,1x2",
-                    help="TPxPP pairs, the first one the baseline; suffix s: PP without overlapping stages")
+                    help="TPxPP pairs, the first one the baseline; suffix s: PP without overlapping stages, "
+                         "d: outputs during the next forward, a: --async-scheduling, m: mp backend at world size 1")
     ap.add_argument("--vocab", type=int, default=LLAMA_30M["vocab_size"],
                     help="vocabulary size (the LM head runs on the last stage: a smaller one balances PP's stages)")
     ap.add_argument("--layers", type=int, default=LLAMA_30M["num_hidden_layers"])
@@ -94,13 +101,14 @@ def main() -> None:
         model = str(make_model_dir(Path(tmp) / "llama", config, with_weights=False))
         pairs = []
         for pair in args.configs.split(","):
-            tp, pp = pair.removesuffix("s").split("x")
-            pairs.append((int(tp), int(pp), not pair.endswith("s")))
-        runs: dict[tuple[int, int, bool], list[dict]] = {p: [] for p in pairs}
+            mode = pair.lstrip("0123456789x")
+            tp, pp = pair.removesuffix(mode).split("x")
+            pairs.append((int(tp), int(pp), mode))
+        runs: dict[tuple[int, int, str], list[dict]] = {p: [] for p in pairs}
         for _ in range(args.repeats):  # interleaved: load from other processes hits every config alike
-            for tp, pp, overlap in pairs:
-                runs[(tp, pp, overlap)].append(run(model, tp, pp, overlap, args.batch, args.prompt, args.tokens,
-                                                   args.threads, args.vocab))
+            for tp, pp, mode in pairs:
+                runs[(tp, pp, mode)].append(run(model, tp, pp, mode, args.batch, args.prompt, args.tokens,
+                                                args.threads, args.vocab))
         results = []
         for key in pairs:  # the run of median step time, per config
             rs = sorted(runs[key], key=lambda r: r["step_ms"])
@@ -108,20 +116,27 @@ def main() -> None:
         base = results[0][3]
         print(f"batch {args.batch}, prompt {args.prompt}, {args.tokens} tokens each; dummy Llama ({args.layers} layers, vocab {args.vocab}) fp32, CPU; "
               f"median of {args.repeats} runs")
-        print(f"{'TP':>3} {'PP':>3} {'overlap':>7} {'in flight':>9} {'step ms':>8} {'x base':>7} {'tok/s':>8} "
-              f"{'x base':>7}  communication per step")
-        for tp, pp, overlap, r in results:
+        print(f"{'config':>7} {'TP':>3} {'PP':>3} {'overlap':>7} {'outputs':>8} {'in flight':>9} {'step ms':>8} {'x base':>7} "
+              f"{'tok/s':>8} {'x base':>7}  communication per step")
+        for tp, pp, mode, r in results:
             comm = ", ".join(f"{k} {ms:.2f} ms / {kib:.0f} KiB" for k, (ms, kib) in sorted(r["comm"].items()))
-            flag = "yes" if overlap and pp > 1 else "no" if pp > 1 else "-"
-            print(f"{tp:>3} {pp:>3} {flag:>7} {r['in_flight']:>9} {r['step_ms']:>8.2f} {r['step_ms'] / base['step_ms']:>7.2f} {r['tok_s']:>8.1f} "
-                  f"{r['tok_s'] / base['tok_s']:>7.2f}  {comm or '-'}")
-        by_key = {(tp, pp, overlap): r for tp, pp, overlap, r in results}
-        for (tp, pp, overlap), r in by_key.items():
-            sync = by_key.get((tp, pp, False))
-            if overlap and pp > 1 and sync is not None:
-                print(f"{tp}x{pp} overlapping vs not: step x{r['step_ms'] / sync['step_ms']:.2f}, "
-                      f"tok/s x{r['tok_s'] / sync['tok_s']:.2f}")
-
+            flag = "no" if "s" in mode else "yes" if pp > 1 else "-"
+            workers = tp * pp > 1 or "m" in mode
+            made = "async" if "a" in mode else "during" if "d" in mode else "after" if workers else "-"
+            print(f"{f'{tp}x{pp}{mode}':>7} {tp:>3} {pp:>3} {flag:>7} {made:>8} {r['in_flight']:>9} {r['step_ms']:>8.2f} "
+                  f"{r['step_ms'] / base['step_ms']:>7.2f} {r['tok_s']:>8.1f} {r['tok_s'] / base['tok_s']:>7.2f}  "
+                  f"{comm or '-'}")
+        by_key = {(tp, pp, mode): r for tp, pp, mode, r in results}
+        for (tp, pp, mode), r in by_key.items():
+            plain = mode.replace("d", "").replace("a", "")
+            if "s" not in mode and pp > 1 and (tp, pp, mode + "s") in by_key:
+                other, what = by_key[(tp, pp, mode + "s")], "overlapping stages vs not"
+            elif plain != mode and (tp, pp, plain) in by_key:
+                other, what = by_key[(tp, pp, plain)], f"outputs {'async' if 'a' in mode else 'during'} vs after"
+            else:
+                continue
+            print(f"{tp}x{pp}{mode} {what}: step x{r['step_ms'] / other['step_ms']:.2f}, "
+                  f"tok/s x{r['tok_s'] / other['tok_s']:.2f}")
 
 if __name__ == "__main__":
     main()

@@ -27,6 +27,11 @@ grammar; penalties count the token in flight on the device) samples late: step N
 launched, then step N's tokens are collected (the forward runs meanwhile), then step N+1 samples
 with every token on the host. Only a sequence preempted and scheduled again makes a step wait for
 the previous one's tokens before its forward (no overlap).
+
+With tensor parallelism the worker processes run the forward and the driver samples from the logits
+they send back, so every step samples late: the driver sends step N+1 (its decodes' input ids copied
+from step N's samples, already on the driver), turns step N's tokens into outputs while the workers
+compute, then reads step N+1's logits and samples.
 """
 
 from __future__ import annotations
@@ -98,13 +103,18 @@ class AsyncScheduling:
         for seq in step.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        launched = self._forward(step, prev)
+        if prev is not None and eng.executor is not None:
+            how = "late"  # the driver samples from logits the workers send back: collect while they compute
+        collected: list[RequestOutput] = []
+        meanwhile = None
+        if prev is not None and how == "late":  # sampling reads the history on the host: collect while the forward runs
+            meanwhile = lambda: collected.extend(self._collect(prev))
+        launched = self._forward(step, prev, meanwhile)
         if prev is not None:
             self.overlapped_steps += 1
-            if how == "late":  # sampling reads the history on the host: collect while the forward runs
+            if how == "late":
                 self.late_sampled_steps += 1
-                outputs = self._collect(prev)
-                prev = None
+                outputs, prev = collected, None
         self.in_flight = self._sample(launched, prev)
         if prev is not None:
             outputs = self._collect(prev)
@@ -124,7 +134,7 @@ class AsyncScheduling:
                 how = "late"
         return how
 
-    def _forward(self, step: ScheduledStep, prev: _InFlight | None) -> _Launched:
+    def _forward(self, step: ScheduledStep, prev: _InFlight | None, meanwhile=None) -> _Launched:
         eng = self.engine
         token_src = None
         if prev is not None:
@@ -133,7 +143,7 @@ class AsyncScheduling:
         scoring = frozenset(i for i, s in enumerate(step.seqs) if s.prompt_lps is not None
                             and s.num_computed < s.prompt_len - 1)
         logits, sample_idx, _ = eng.runner.execute(step.seqs, step.num_new, frozenset(), scoring, token_src,
-                                                   prev.on_device if token_src else None)
+                                                   prev.on_device if token_src else None, meanwhile)
         scores = score_prompt(step.seqs, eng.runner.prompt_logits).to_host(blocking=False) if scoring else None
         for seq, n in zip(step.seqs, step.num_new):
             seq.num_computed += n

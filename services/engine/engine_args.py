@@ -66,8 +66,8 @@ class EngineArgs:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     gpu_memory_utilization: float = 0.9  # CUDA, without kv_cache_memory: share of the device to use
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
-    # Detokenize a step's tokens during the next step's forward; None: on CUDA only (on CPU the
-    # forward is synchronous, so there is nothing to overlap with).
+    # Detokenize a step's tokens during the next step's forward; None: on CUDA only (in one process
+    # on CPU the forward is synchronous, and CPU worker processes take every core).
     async_output: bool | None = None
     # Launch step N+1 before reading step N's tokens (kvrelay.engine.async_scheduling): hides the
     # host's work per step behind the GPU's. Off by default until the device benchmark shows it.

@@ -213,10 +213,9 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             self.pipeline = PipelineOverlap(self, args.pipeline_parallel_size)
         self.overlap = None  # --async-scheduling: step N+1 launched before step N's tokens are read
         if args.async_scheduling:
-            if self.executor is not None or spec is not None:
-                raise ValueError("--async-scheduling runs one model in this process: it does not combine with "
-                                 "--tensor/--pipeline-parallel-size, --distributed-executor-backend mp or "
-                                 "--speculative-method")
+            if args.pipeline_parallel_size > 1 or spec is not None:
+                raise ValueError("--async-scheduling does not combine with --pipeline-parallel-size > 1 (its "
+                                 "overlapping stages keep several steps in flight already) or --speculative-method")
             self.overlap = AsyncScheduling(self)
             log.info("async scheduling: each step is launched before the previous step's tokens are read")
         self.eos_ids = _as_id_set(self.generation_config.get("eos_token_id"))
@@ -231,7 +230,11 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         self._next_seq_id = 0
         # CUDA: a step's detokenizing and stop strings run during the next step's forward, whose
         # launch returns at once; a token that ends its sequence by id or length is final at once.
-        self.defer_outputs = args.async_output if args.async_output is not None else self.device.type == "cuda"
+        # With the parallel executor on CUDA, while its worker processes compute the next step. On
+        # CPU the workers take every core: no gain measured (benchmarks/parallel.py), and each
+        # token's output would come one step later, so it stays opt-in there.
+        default = self.device.type == "cuda" or (self.executor is not None and self.executor.spec.device_type == "cuda")
+        self.defer_outputs = args.async_output if args.async_output is not None else default
         self._deferred: list[tuple[Sequence, int, object]] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -357,16 +360,24 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
     def _run(self, step, proposals: dict) -> list[RequestOutput]:
         scoring = frozenset(i for i, s in enumerate(step.seqs) if s.prompt_lps is not None
                             and s.num_computed < s.prompt_len - 1)
-        logits, sample_idx, rows = self.runner.execute(step.seqs, step.num_new, frozenset(proposals), scoring)
+        flushed = None
+        meanwhile = None
+        if self.executor is not None and not proposals:  # the workers compute while the driver makes text
+            flushed = []
+            meanwhile = lambda: flushed.extend(self._flush_deferred())
+        logits, sample_idx, rows = self.runner.execute(step.seqs, step.num_new, frozenset(proposals), scoring,
+                                                       meanwhile=meanwhile)
         if scoring:
             record_prompt_logprobs(step.seqs, self.runner.prompt_logits)
-        return self._after_forward(step, proposals, logits, sample_idx, rows)
+        return self._after_forward(step, proposals, logits, sample_idx, rows, flushed)
 
-    def _after_forward(self, step, proposals: dict, logits, sample_idx, rows) -> list[RequestOutput]:
+    def _after_forward(self, step, proposals: dict, logits, sample_idx, rows,
+                       flushed: list[RequestOutput] | None = None) -> list[RequestOutput]:
+        """flushed: the last step's deferred outputs, if made during the forward already."""
         if proposals:
             self.speculator.withdraw(step, proposals)
         # On CUDA the forward is still running: turn the last step's tokens into text meanwhile.
-        outputs = self._flush_deferred()
+        outputs = self._flush_deferred() if flushed is None else flushed
         bs = self.args.block_size
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_new)):
             if seq.finished or i in proposals:  # ended at a stop string found just now; verified below

@@ -35,6 +35,7 @@ def test_gpu_engine_cpu_smoke_runs_every_section(tmp_path):
     assert "moe Mixtral-shape triton eager" in summary and "moe greedy torch vs triton eager: 4/4 identical" in summary
     assert "moe greedy fp8 triton eager vs fp8 torch: 4/4 identical" in summary
     assert "parallel stories260K greedy, cpu mp world size 1: 4/4 identical" in summary
+    assert "parallel stories260K greedy, cpu mp_async world size 1, async scheduling: 4/4 identical" in summary
     assert summary.rstrip().endswith("# failed sections: none")
 
 

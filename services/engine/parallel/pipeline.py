@@ -44,9 +44,10 @@ class PipelineOverlap:
         step = self._schedule()
         if step.seqs:
             self._submit(step)
+        outputs = eng._flush_deferred()  # the last collected step's text, while the stages compute
         if self.in_flight and (len(self.in_flight) >= self.depth or not step.seqs):
-            return self._collect()
-        return eng._flush_deferred()
+            return self._collect(outputs)
+        return outputs
 
     def _schedule(self) -> ScheduledStep:
         """Schedule among the sequences no in-flight step carries, with a fair share of the slots."""
@@ -77,7 +78,7 @@ class PipelineOverlap:
         eng.executor.submit(built.batch)
         self.in_flight.append(_InFlight(step, built.sample_idx, built.logits_rows, built.prompt_spans))
 
-    def _collect(self) -> list:
+    def _collect(self, flushed: list) -> list:
         done = self.in_flight.popleft()
         logits = self.engine.executor.collect()
         start = sum(done.rows)
@@ -88,4 +89,4 @@ class PipelineOverlap:
                 start += n
             record_prompt_logprobs(done.step.seqs, spans)
         logits = logits[: sum(done.rows)] if done.sample_idx else None
-        return self.engine._after_forward(done.step, {}, logits, done.sample_idx, done.rows)
+        return self.engine._after_forward(done.step, {}, logits, done.sample_idx, done.rows, flushed)

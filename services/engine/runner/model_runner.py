@@ -4,6 +4,7 @@ for decode-only steps where one is captured, and returns the logits of the rows 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from kvrelay.engine.model import StepBatch
@@ -44,13 +45,25 @@ class ModelRunner:
         self.piecewise = PiecewiseGraphs(self.model, self.kv_cache, sizes[-1])
         return self.piecewise.capture(sizes)
 
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
-        """An eager step: the model's forward, or the piecewise graphs where a bucket holds its tokens."""
+    def _forward(self, batch: StepBatch, meanwhile=None) -> torch.Tensor:
+        """An eager step: the model's forward, or the piecewise graphs where a bucket holds its tokens.
+        meanwhile: see execute()."""
+        if meanwhile is not None and hasattr(self.model, "submit"):  # the parallel executor
+            self.model.submit(batch)  # the workers compute while the host runs meanwhile
+            try:
+                meanwhile()
+            finally:  # the reply is read even if meanwhile fails: the pipes stay in step
+                logits = self.model.collect()
+            return logits
         size = None if self.piecewise is None else self.piecewise.bucket(batch.input_ids.shape[0])
         if size is None:
-            return self.model.forward(batch, self.kv_cache)
-        hidden, residual = self.piecewise.run(batch, size)
-        return self.model.compute_logits(batch, hidden, residual)
+            logits = self.model.forward(batch, self.kv_cache)
+        else:
+            hidden, residual = self.piecewise.run(batch, size)
+            logits = self.model.compute_logits(batch, hidden, residual)
+        if meanwhile is not None:
+            meanwhile()
+        return logits
 
     def _graph_size(self, num_new: list[int]) -> int | None:
         if self.graphs is None or self.model.layer_hook is not None:  # the hook runs Python per layer
@@ -61,14 +74,18 @@ class ModelRunner:
 
     def execute(self, seqs: list[Sequence], num_new: list[int], all_logits: frozenset[int] = frozenset(),
                 prompt_rows: frozenset[int] = frozenset(), token_src: dict[int, int] | None = None,
-                prev_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor | None, list[int], list[int]]:
+                prev_tokens: torch.Tensor | None = None,
+                meanwhile: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, list[int], list[int]]:
         """Runs the step (K/V of every scheduled token written into the cache). Returns fp32 logits,
         the positions in seqs of the sequences that sample, and how many rows of logits each has
         (one; every new token's for those in all_logits). (None, [], []) when none samples.
         prompt_rows: indices of seqs that want prompt logprobs: their chunks' logits are left in
         self.prompt_logits as (index in seqs, first position, fp32 logits [rows, vocab]).
         token_src, prev_tokens: decodes whose input token is the previous step's sample, still on
-        the device (async scheduling): index in seqs -> index in prev_tokens."""
+        the device (async scheduling): index in seqs -> index in prev_tokens.
+        meanwhile: host work to run once while the forward runs, called exactly once: with the
+        parallel executor between sending the step and reading its logits (the workers compute), in
+        one process after the forward's call returns (on CUDA its launch; on CPU its compute)."""
         size = None if all_logits or prompt_rows else self._graph_size(num_new)
         extra = {"prompt_rows": prompt_rows} if prompt_rows else {}  # the common call keeps build's old signature
         if token_src:
@@ -79,7 +96,7 @@ class ModelRunner:
             ids.copy_(torch.where(built.token_src >= 0, prev_tokens[built.token_src.clamp(min=0)], ids))
         self.prompt_logits = []
         if built.prompt_spans:
-            logits = self._forward(built.batch)
+            logits = self._forward(built.batch, meanwhile)
             start = sum(built.logits_rows)
             for i, pos, n in built.prompt_spans:
                 self.prompt_logits.append((i, pos, logits[start : start + n]))
@@ -88,13 +105,15 @@ class ModelRunner:
                 return None, [], []
             return logits[: sum(built.logits_rows)], built.sample_idx, built.logits_rows
         if not built.sample_idx and size is None:
-            self._forward(built.batch)
+            self._forward(built.batch, meanwhile)
             return None, [], []
         if size is not None and len(built.sample_idx) == built.num_real:
             logits = self.graphs.replay(built.batch, size)
             self.graph_steps += 1
+            if meanwhile is not None:
+                meanwhile()
         else:
-            logits = self._forward(built.batch)
+            logits = self._forward(built.batch, meanwhile)
         if not built.sample_idx:
             return None, [], []
         # Padding rows come last: the real rows' logits lead. The sampler edits rows of sequences
