@@ -132,3 +132,16 @@ class WorkerProcess:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+
+def prefill_all(engine, nseq: int, ctx: int, extra: int, vocab: int, seed: int) -> None:
+    """nseq requests of ctx random prompt tokens, each to generate extra more (EOS ignored), stepped
+    until every prompt is computed: the engine is then decode-only."""
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    for i in range(nseq):
+        ids = [rng.randrange(3, vocab) for _ in range(ctx)]
+        engine.add_request(ids, SamplingParams(max_tokens=extra, temperature=0.0, ignore_eos=True), f"s{i}")
+    while engine.scheduler.waiting or any(s.num_computed < s.prompt_len for s in engine.scheduler.running):
+        engine.step()

@@ -22,9 +22,12 @@ Runs on a bare GPU machine with torch, triton and transformers: kvrelay is mappe
   IPC handle between them (benchmarks/gpu_handoff_procs.py);
 - moe: a Mixtral-shaped model (8 experts, top-2) with graphs, eager and the torch MoE reference
   (benchmarks/gpu_moe.py);
+- parallel_step: the decode step through one worker process (--distributed-executor-backend mp) at
+  the 1B shapes, sampling on the worker against every row's logits sent to the driver
+  (benchmarks/gpu_parallel_step.py);
 - parallel: stories260K greedy through the tensor/pipeline worker path (torch.distributed, NCCL) at
-  world size 1 (--distributed-executor-backend mp), and at TP=2 and PP=2 when there are 2+ GPUs,
-  against the in-process engine.
+  world size 1 (--distributed-executor-backend mp, also with --async-scheduling), and at TP=2 and
+  PP=2 when there are 2+ GPUs, against the in-process engine.
 Each section reports its own failure and the run goes on; the summary comes last. With $OUT set, the
 figures also go to $OUT/gpu_engine.json.
 """
@@ -42,11 +45,12 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import write_word_tokenizer
+from common import prefill_all, write_word_tokenizer
 from gpu_handoff import section_handoff
 from gpu_handoff_procs import section_handoff_procs
 from gpu_kernels_section import profiled_kernel_ms, section_kernels
 from gpu_moe import section_moe
+from gpu_parallel_step import section_parallel_step
 from gpu_spec import section_spec
 from package_map import ROOT, map_kvrelay
 
@@ -217,17 +221,6 @@ def section_parallel(rep: Report, device: str, smoke: bool) -> None:
                 f"parallel stories260K greedy, {device} {name}: {same}/{len(PROMPTS)} identical to one process")
 
 
-def _prefill_all(engine, nseq: int, ctx: int, extra: int, vocab: int, seed: int) -> None:
-    from kvrelay.engine.sampling_params import SamplingParams
-
-    rng = random.Random(seed)
-    for i in range(nseq):
-        ids = [rng.randrange(3, vocab) for _ in range(ctx)]
-        engine.add_request(ids, SamplingParams(max_tokens=extra, temperature=0.0, ignore_eos=True), f"s{i}")
-    while engine.scheduler.waiting or any(s.num_computed < s.prompt_len for s in engine.scheduler.running):
-        engine.step()
-
-
 def section_step(rep: Report, engine, vocab: int, cases, cuda: bool) -> None:
     import torch
 
@@ -238,7 +231,7 @@ def section_step(rep: Report, engine, vocab: int, cases, cuda: bool) -> None:
             runner.graphs = captured if mode.startswith("graphs") else None
             set_async_scheduling(engine, mode.endswith("_async"))
             steps, prof_steps = (30, 5) if cuda else (3, 0)
-            _prefill_all(engine, nseq, ctx, steps + prof_steps + 8, vocab, seed=nseq)
+            prefill_all(engine, nseq, ctx, steps + prof_steps + 8, vocab, seed=nseq)
             for _ in range(3):
                 engine.step()
             before = runner.graph_steps
@@ -377,7 +370,8 @@ def section_fp8_engine(rep: Report, bf16_engine, model_dir: Path, reqs, device: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: every section runs, no timing")
-    p.add_argument("--only", default="parity,step,throughput,fp8,spec,handoff,handoff_procs,moe,parallel,kernels")
+    p.add_argument("--only", default="parity,step,throughput,fp8,spec,handoff,handoff_procs,parallel_step,moe,parallel,"
+                                        "kernels")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline (~25 s on an H200)")
     p.add_argument("--handoff-repeats", type=int, default=None,
@@ -411,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "parity" in sections:
         run("parity", section_parity, rep, device, smoke)
-    if sections & {"step", "throughput", "fp8", "spec", "handoff", "handoff_procs"}:
+    if sections & {"step", "throughput", "fp8", "spec", "handoff", "handoff_procs", "parallel_step"}:
         config = TINY if smoke else LLAMA_1B
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = make_1b_dir(Path(tmp) / "model", config, device)
@@ -448,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
             if "spec" in sections:
                 spec_kw = {k: v for k, v in kw.items() if k != "max_num_seqs"}
                 run("spec", section_spec, rep, model_dir, vocab, device, smoke, spec_kw)
+            if "parallel_step" in sections:
+                run("parallel_step", section_parallel_step, rep, model_dir, vocab, device, smoke)
     if "moe" in sections:
         run("moe", section_moe, rep, device, smoke)
     if "parallel" in sections:

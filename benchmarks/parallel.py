@@ -2,11 +2,13 @@
 at TP 1 and 2, PP 1 and 2 (with overlapping stages, and without: suffix "s"), against one process
 measured in the same run. Suffix letters: "s" PP without overlapping stages; "d" the driver makes each
 step's text and outputs while the workers compute the next step (async_output, the default with CUDA
-workers); "a" --async-scheduling; "m" worker processes at world size 1 (--distributed-executor-backend mp).
+workers); "a" --async-scheduling; "m" worker processes at world size 1 (--distributed-executor-backend mp);
+"l" every row's logits sent to the driver to be sampled there (as before the workers sampled plain rows).
 
     .venv/bin/python benchmarks/parallel.py [--batch 32] [--prompt 64] [--tokens 64]
                                             [--configs 1x1,2x1,1x2s,1x2] [--repeats 3] [--threads 1]
     .venv/bin/python benchmarks/parallel.py --configs 1x1,1x1m,1x1md,1x1ma,2x1,2x1d,2x1a   # the driver's overlap
+    .venv/bin/python benchmarks/parallel.py --configs 1x1,1x1ml,1x1m,2x1l,2x1 --layers 1    # sampling on the worker
 
 The ~30M-parameter dummy Llama (benchmarks/common.py; --vocab and --layers change it), fp32, --batch
 requests of --prompt random token ids, each generating --tokens tokens (EOS ignored). Step time is the
@@ -47,6 +49,8 @@ def run(model_dir: str, tp: int, pp: int, mode: str, batch: int, prompt: int, to
                                   async_scheduling="a" in mode,
                                   distributed_executor_backend="mp" if "m" in mode else None))
     try:
+        if "l" in mode:
+            engine.runner.sample_on_worker = False
         reqs = workload(batch, (prompt, prompt), (tokens, tokens), vocab)
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         for i, (ids, _) in enumerate(reqs):
@@ -88,7 +92,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--configs", default="1x1,2x1,1x2s,1x2",
                     help="TPxPP pairs, the first one the baseline; suffix s: PP without overlapping stages, "
-                         "d: outputs during the next forward, a: --async-scheduling, m: mp backend at world size 1")
+                         "d: outputs during the next forward, a: --async-scheduling, m: mp backend at world size 1, "
+                         "l: logits to the driver")
     ap.add_argument("--vocab", type=int, default=LLAMA_30M["vocab_size"],
                     help="vocabulary size (the LM head runs on the last stage: a smaller one balances PP's stages)")
     ap.add_argument("--layers", type=int, default=LLAMA_30M["num_hidden_layers"])
@@ -131,6 +136,8 @@ def main() -> None:
             plain = mode.replace("d", "").replace("a", "")
             if "s" not in mode and pp > 1 and (tp, pp, mode + "s") in by_key:
                 other, what = by_key[(tp, pp, mode + "s")], "overlapping stages vs not"
+            elif "l" not in mode and (tp, pp, mode + "l") in by_key:
+                other, what = by_key[(tp, pp, mode + "l")], "sampling on the worker vs logits to the driver"
             elif plain != mode and (tp, pp, plain) in by_key:
                 other, what = by_key[(tp, pp, plain)], f"outputs {'async' if 'a' in mode else 'during'} vs after"
             else:

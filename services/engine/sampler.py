@@ -156,15 +156,14 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], wait_free: bool
     """sample() up to the tokens, still on the device. wait_free: the host reads nothing back, so a
     step launched ahead of the previous one's tokens never waits (async scheduling); pending: row ->
     its sequence's last token, still on the device, for the penalties (_adjust). Each sampled
-    sequence's uniform is drawn from its stream now, in token order."""
-    raw_logprobs = lp_index = None
+    sequence's uniform is drawn from its stream now, in token order. logits may also be a
+    parallel worker's reply that sampled some rows already (RemoteLogits): the rest are sampled here."""
+    if not isinstance(logits, torch.Tensor):
+        return logits.sample_rest(seqs, lambda rest, host_seqs, rows: sample_on_device(
+            rest, host_seqs, wait_free, {rows.index(j): t for j, t in (pending or {}).items() if j in rows}))
     params = [s.params for s in seqs]
     want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if want_logprobs:  # of the raw logits, before anything below edits them
-        if len(want_logprobs) < len(seqs):
-            lp_index = to_device(want_logprobs, logits.device)
-        raw_logprobs = torch.log_softmax(logits if lp_index is None else logits.index_select(0, lp_index), dim=-1)
-
+    raw_logprobs = raw_log_softmax(logits, want_logprobs)  # before anything below edits the logits
     for i, seq in enumerate(seqs):
         if seq.adjusts_logits:
             _adjust(logits[i], seq, pending.get(i) if pending else None)
@@ -172,12 +171,32 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], wait_free: bool
     if constrained:  # after penalties and bias, before temperature and filtering
         grammar_mask.apply(logits, constrained, [seqs[i] for i in constrained],
                            [seqs[i].stop_ids for i in constrained])
+    uniforms = [seqs[i].rng.random() for i, p in enumerate(params) if p.temperature != 0.0]
+    return pick(logits, params, uniforms, raw_logprobs, wait_free)
 
+
+def raw_log_softmax(logits: torch.Tensor, want_logprobs: list[int]) -> torch.Tensor | None:
+    """The log-softmax of the rows that want logprobs, of the logits as the model gave them."""
+    if not want_logprobs:
+        return None
+    if len(want_logprobs) < logits.shape[0]:
+        logits = logits.index_select(0, to_device(want_logprobs, logits.device))
+    return torch.log_softmax(logits, dim=-1)
+
+
+@torch.inference_mode()
+def pick(logits: torch.Tensor, params: list, uniforms: list[float], raw_logprobs: torch.Tensor | None,
+         wait_free: bool = False) -> Sampled:
+    """Tokens (and logprobs) of logits [S, V] whose edits are done: temperature, top-k/top-p/min-p and
+    the draw. params: per row, anything with temperature, top_k, top_p, min_p and logprobs
+    (SamplingParams, or a parallel worker's RowSampling); uniforms: one per row of temperature > 0,
+    in row order; raw_logprobs: raw_log_softmax of the rows that want logprobs."""
     # Each torch call and each pass over the batch in Python costs tens of microseconds here, so
     # the common all-greedy and all-sampled batches skip the row selection and the argmax of the
     # other kind, and batches without top-k/top-p/min-p build no filter lists.
+    want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
     sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
-    everyone = len(sampled) == len(seqs)
+    everyone = len(sampled) == len(params)
     # max().indices: argmax (first of ties too), 3x faster on CPU rows of 32k
     tokens = None if everyone else logits.max(dim=-1).indices
     if sampled:
@@ -189,13 +208,14 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], wait_free: bool
         rows = rows / (temps[0] if same else to_device(temps, logits.device)[:, None])  # the same fp32 division
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in sp):
             rows = _filter(rows, [p.top_k for p in sp], [p.top_p for p in sp], [p.min_p for p in sp])
-        drawn = _draw(rows.softmax(dim=-1), [seqs[i].rng.random() for i in sampled], wait_free)
+        drawn = _draw(rows.softmax(dim=-1), uniforms, wait_free)
         tokens = drawn if index is None else tokens.index_copy_(0, index, drawn)
 
     if not want_logprobs:
         return Sampled(tokens, [], [])
     top_k = [params[i].logprobs for i in want_logprobs]
-    picked = tokens if lp_index is None else tokens.index_select(0, lp_index)
+    picked = tokens if len(want_logprobs) == len(params) else tokens.index_select(
+        0, to_device(want_logprobs, logits.device))
     chosen = raw_logprobs.gather(1, picked[:, None]).squeeze(1)
     k = max(top_k)
     top_vals, top_idx = raw_logprobs.topk(k, dim=-1) if k else (None, None)

@@ -55,6 +55,10 @@ def test_outputs_are_made_while_the_workers_compute_and_equal_one_process(sync_r
         busy = [n for in_flight, n in seen if n and in_flight == 1]
         idle = [n for in_flight, n in seen if n and in_flight == 0]
         assert len(busy) > 20 and len(idle) <= 2, (len(busy), idle)
+        # Most rows were sampled on the worker (remote_sampling.py); penalties, processors and
+        # grammars on the driver, and both kinds ended as one process's.
+        host_rows = {("penalised", 0), ("frequency", 0), ("min_tokens", 0), ("grammar", 0), ("grammar", 1)}
+        assert engine.executor.sampled_rows >= sum(len(v["ids"]) for k, v in got.items() if k not in host_rows)
         if async_scheduling:
             assert engine.overlap.late_sampled_steps == engine.overlap.overlapped_steps > 20
             assert engine.overlap.in_flight is None

@@ -36,6 +36,7 @@ def test_gpu_engine_cpu_smoke_runs_every_section(tmp_path):
     assert "moe greedy fp8 triton eager vs fp8 torch: 4/4 identical" in summary
     assert "parallel stories260K greedy, cpu mp world size 1: 4/4 identical" in summary
     assert "parallel stories260K greedy, cpu mp_async world size 1, async scheduling: 4/4 identical" in summary
+    assert "parallel step cpu 4 seqs x ~40 tokens, sampling on the worker" in summary
     assert summary.rstrip().endswith("# failed sections: none")
 
 

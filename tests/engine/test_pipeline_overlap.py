@@ -83,6 +83,8 @@ def test_overlapped_stages_match_one_process(stories_ref, tp):
         assert engine.executor.max_in_flight == 2  # the two stages held two groups' steps at once
         assert engine.executor.in_flight == 0 and not engine.pipeline.in_flight
         assert engine.stats().prefix_cache_hits > 0
+        # The last stage sampled the rows of steps without prompt logprobs (remote_sampling.py).
+        assert engine.executor.sampled_rows > sum(len(r["tokens"]) for r in got.values()) // 2
     finally:
         engine.close()
     _assert_same(stories_ref, got)

@@ -3,8 +3,10 @@ torch.distributed (gloo on CPU, NCCL on CUDA), driven by the engine's one schedu
 
 The driver (the engine's process) keeps the scheduler, the block table and the sampler; it builds
 each step's inputs once, serializes them once and writes the same bytes to every worker's pipe
-(the broadcast), and reads the logits back from TP rank 0 of the last stage. To the ModelRunner
-the executor is the model: `forward(batch, kv_cache) -> logits`.
+(the broadcast), and reads the reply from TP rank 0 of the last stage: the logits, or with a
+sampling plan the tokens of the rows that rank sampled and the logits of the others
+(remote_sampling.py). To the ModelRunner the executor is the model: `submit(batch, plan)`, then
+`collect() -> logits | RemoteLogits`.
 
 A dead worker fails the engine loudly: a step waits on the reply *and* on every worker's process
 sentinel, so it raises WorkerDiedError at once instead of hanging; a watchdog thread notices a
@@ -32,6 +34,7 @@ from kvrelay.engine.errors import EngineError
 from kvrelay.engine.parallel.layers import check_parallel
 from kvrelay.engine.parallel.multinode import Leader, NodeLayout, join_timeout, parse_layout, token_from_env
 from kvrelay.engine.parallel.rank_metrics import RankStats
+from kvrelay.engine.parallel.remote_sampling import RemoteLogits, SamplingPlan
 from kvrelay.engine.parallel.worker import (
     WorkerSpec,
     batch_to_wire,
@@ -108,6 +111,8 @@ class MultiprocExecutor:
         self.in_flight = 0
         self.max_in_flight = 0
         self._early_replies: list[deque] = [deque() for _ in range(self.world_size)]
+        self._plans: deque = deque()  # per submitted step, its SamplingPlan or None
+        self.sampled_rows = 0  # rows the last stage sampled itself (remote_sampling.py)
         cores = usable_cpus()  # affinity and cgroup quota
         self.leader: Leader | None = None
         local = self.world_size if layout is None else layout.ranks_per_node  # node 0: ranks [0, local)
@@ -158,19 +163,25 @@ class MultiprocExecutor:
         with self._lock:
             self.check()
             self._broadcast(("step", batch_to_wire(batch)))
+            self._plans.append(None)
             return self._step_replies()
 
-    def submit(self, batch) -> None:
+    def submit(self, batch, plan: SamplingPlan | None = None) -> None:
         """Send one step to every worker without waiting for its logits (collect() returns them, in
-        submission order): the first stage starts the next step while later stages run this one."""
+        submission order): the first stage starts the next step while later stages run this one.
+        plan: rows the last stage samples itself (remote_sampling.py)."""
+        wire = batch_to_wire(batch)
+        if plan is not None:
+            wire["sampling"] = plan
         with self._lock:
             self.check()
-            self._broadcast(("step", batch_to_wire(batch)))
+            self._broadcast(("step", wire))
+            self._plans.append(plan)
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
-    def collect(self) -> torch.Tensor:
-        """The fp32 logits of the oldest submitted step."""
+    def collect(self) -> torch.Tensor | RemoteLogits:
+        """The fp32 logits of the oldest submitted step (RemoteLogits if it had a plan)."""
         with self._lock:
             if self.in_flight == 0:
                 raise RuntimeError("collect() without a submitted step")
@@ -178,7 +189,7 @@ class MultiprocExecutor:
             self.in_flight -= 1
             return logits
 
-    def _step_replies(self) -> torch.Tensor:
+    def _step_replies(self) -> torch.Tensor | RemoteLogits:
         """Every rank's reply to the oldest step (each pipe carries them in step order): the logits
         from TP rank 0 of the last stage, and every rank's forward time."""
         last = self.world_size - self.tp
@@ -192,6 +203,10 @@ class MultiprocExecutor:
                 logits = out
                 self.stats.add(step_s, comms[rank])
         self.stats.ranks.add_step(forward_s, comms)
+        plan = self._plans.popleft()
+        if plan is not None:
+            self.sampled_rows += len(plan.rows)
+            return RemoteLogits.from_wire(logits, plan)
         return torch.from_numpy(logits)
 
     def gather_blocks(self, block_ids: list[int], layer_start: int, layer_end: int) -> torch.Tensor:

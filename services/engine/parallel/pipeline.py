@@ -19,6 +19,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+from kvrelay.engine.parallel.remote_sampling import plan
 from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
 from kvrelay.engine.scheduler import ScheduledStep
 
@@ -75,12 +77,17 @@ class PipelineOverlap:
                             and s.num_computed < s.prompt_len - 1)
         extra = {"prompt_rows": scoring} if scoring else {}
         built = eng.runner.inputs.build(step.seqs, step.num_new, **extra)
-        eng.executor.submit(built.batch)
+        sampling = None  # the last stage samples the plain rows itself (remote_sampling.py)
+        if eng.runner.sample_on_worker and built.sample_idx and not scoring:
+            sampling = plan(step.seqs, built.sample_idx)
+        eng.executor.submit(built.batch, sampling)
         self.in_flight.append(_InFlight(step, built.sample_idx, built.logits_rows, built.prompt_spans))
 
     def _collect(self, flushed: list) -> list:
         done = self.in_flight.popleft()
         logits = self.engine.executor.collect()
+        if not isinstance(logits, torch.Tensor):  # RemoteLogits: the sampling rows, no prompt rows
+            return self.engine._after_forward(done.step, {}, logits, done.sample_idx, done.rows, flushed)
         start = sum(done.rows)
         if done.prompt_spans:  # prompt logprobs: their rows follow the sampling rows
             spans = []

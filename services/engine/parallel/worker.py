@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from kvrelay.engine.model_config import ModelConfig
+from kvrelay.engine.parallel.remote_sampling import sample_on_worker
 from kvrelay.engine.parallel.state import ParallelState, set_parallel_state
 
 
@@ -235,6 +236,7 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
         started = time.perf_counter()
         timer.start()
         logits = None
+        plan = payload.pop("sampling", None)  # rows this rank samples (remote_sampling.py)
         batch = batch_from_wire(payload, device)
         with torch.inference_mode():
             if state.is_first_stage:
@@ -261,7 +263,8 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
         # and its communication.
         # TP rank 0 of the last stage adds the logits and its step time.
         if replies:
-            logits = logits.cpu().numpy()
+            with torch.inference_mode():
+                logits = sample_on_worker(logits, plan)
             reply = (logits, time.perf_counter() - started, COMM.take(), forward_s)
         else:
             reply = (None, None, COMM.take(), forward_s)

@@ -30,6 +30,10 @@ class ModelRunner:
         self.graph_steps = 0  # steps served by a graph replay (tests and stats read it)
         self.piecewise: PiecewiseGraphs | None = None  # --piecewise-cuda-graphs: steps with prefill
         self.prompt_logits: list[tuple[int, int, torch.Tensor]] = []  # see execute()
+        self.parallel = hasattr(model, "submit")  # the model is the parallel executor
+        # Plain steps' rows are sampled on the worker that has the logits (parallel/remote_sampling.py),
+        # and execute() may return its RemoteLogits; benchmarks turn it off for their baseline.
+        self.sample_on_worker = self.parallel
 
     def capture_graphs(self, sizes: list[int] | None = None) -> CaptureReport:
         if self.device.type != "cuda":
@@ -45,13 +49,14 @@ class ModelRunner:
         self.piecewise = PiecewiseGraphs(self.model, self.kv_cache, sizes[-1])
         return self.piecewise.capture(sizes)
 
-    def _forward(self, batch: StepBatch, meanwhile=None) -> torch.Tensor:
+    def _forward(self, batch: StepBatch, meanwhile=None, plan=None) -> torch.Tensor:
         """An eager step: the model's forward, or the piecewise graphs where a bucket holds its tokens.
-        meanwhile: see execute()."""
-        if meanwhile is not None and hasattr(self.model, "submit"):  # the parallel executor
-            self.model.submit(batch)  # the workers compute while the host runs meanwhile
+        meanwhile: see execute(); plan: the rows the parallel worker samples (remote_sampling.py)."""
+        if self.parallel:
+            self.model.submit(batch, plan)  # the workers compute while the host runs meanwhile
             try:
-                meanwhile()
+                if meanwhile is not None:
+                    meanwhile()
             finally:  # the reply is read even if meanwhile fails: the pipes stay in step
                 logits = self.model.collect()
             return logits
@@ -112,6 +117,12 @@ class ModelRunner:
             self.graph_steps += 1
             if meanwhile is not None:
                 meanwhile()
+        elif self.sample_on_worker and built.sample_idx and not all_logits:
+            from kvrelay.engine.parallel.remote_sampling import plan
+
+            logits = self._forward(built.batch, meanwhile, plan(seqs, built.sample_idx))
+            if not isinstance(logits, torch.Tensor):  # RemoteLogits: exactly the sampling rows
+                return logits, built.sample_idx, built.logits_rows
         else:
             logits = self._forward(built.batch, meanwhile)
         if not built.sample_idx:
