@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from kvrelay.engine.sampler import Sampled, pick, raw_log_softmax
+from kvrelay.engine.sampler import Sampled, pick, raw_log_softmax, to_device
 from kvrelay.engine.sequence import Sequence
 
 
@@ -65,12 +65,13 @@ def sample_on_worker(logits: torch.Tensor, plan: SamplingPlan | None):
     """TP rank 0 of the last stage: the reply's payload for the driver (numpy arrays)."""
     if plan is None:
         return logits.cpu().numpy()
-    ours = torch.tensor(plan.rows, dtype=torch.int64, device=logits.device)
-    mine = logits.index_select(0, ours)
+    every = len(plan.rows) == logits.shape[0]  # the common step: no row needs the driver
+    mine = logits if every else logits.index_select(0, to_device(plan.rows, logits.device, torch.int64))
     want = [i for i, p in enumerate(plan.params) if p.logprobs is not None]
     s = pick(mine, plan.params, plan.uniforms, raw_log_softmax(mine, want))
-    rest = [r for r in range(logits.shape[0]) if r not in set(plan.rows)]
-    host = logits.index_select(0, torch.tensor(rest, dtype=torch.int64, device=logits.device)) if rest else None
+    planned = set(plan.rows)
+    rest = [r for r in range(logits.shape[0]) if r not in planned]
+    host = logits.index_select(0, to_device(rest, logits.device, torch.int64)) if rest else None
     return ("sampled", _np(host), _np(s.tokens), s.want_logprobs, s.top_k, _np(s.chosen), _np(s.top_vals),
             _np(s.top_idx))
 
