@@ -28,6 +28,11 @@ launched, then step N's tokens are collected (the forward runs meanwhile), then 
 with every token on the host. Only a sequence preempted and scheduled again makes a step wait for
 the previous one's tokens before its forward (no overlap).
 
+With speculative decoding, a step that may speculate (Speculator.may_propose: a decode in a batch of
+at most --speculative-disable-batch-size sequences, or a seeded one) runs as the synchronous engine
+runs it, after the step in flight is collected: proposals read every token on the host. Larger
+batches, where speculation is off, overlap.
+
 With tensor parallelism the worker processes run the forward and the driver samples from the logits
 they send back, so every step samples late: the driver sends step N+1 (its decodes' input ids copied
 from step N's samples, already on the driver), turns step N's tokens into outputs while the workers
@@ -85,10 +90,13 @@ class AsyncScheduling:
         self.overlapped_steps = 0
         self.late_sampled_steps = 0
         self.waited_steps = 0
+        self.speculative_steps = 0  # steps that may speculate, run synchronously
 
     def step(self) -> list[RequestOutput]:
         eng = self.engine
         step = eng.scheduler.schedule()
+        if eng.speculator is not None and step.seqs and eng.speculator.may_propose(step):
+            return self._speculative_step(step)
         prev, self.in_flight = self.in_flight, None
         outputs: list[RequestOutput] = []
         how = self._overlap(step, prev) if prev is not None and step.seqs else "wait"
@@ -99,10 +107,7 @@ class AsyncScheduling:
             step = _without_finished(step)
         if not step.seqs:
             return outputs
-        now = time.monotonic()
-        for seq in step.seqs:
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = now
+        _scheduled_now(step)
         if prev is not None and eng.executor is not None:
             how = "late"  # the driver samples from logits the workers send back: collect while they compute
         collected: list[RequestOutput] = []
@@ -119,6 +124,24 @@ class AsyncScheduling:
         if prev is not None:
             outputs = self._collect(prev)
         return outputs
+
+    def _speculative_step(self, step: ScheduledStep) -> list[RequestOutput]:
+        """A step that may speculate runs as the synchronous engine runs it: proposals read every
+        token on the host, so the step in flight is collected first, and this one's tokens are read
+        (and made into outputs) before the next step is scheduled."""
+        eng = self.engine
+        outputs: list[RequestOutput] = []
+        if self.in_flight is not None:
+            prev, self.in_flight = self.in_flight, None
+            self.waited_steps += 1
+            outputs = self._collect(prev)
+            step = _without_finished(step)
+            if not step.seqs:
+                return outputs
+        self.speculative_steps += 1
+        _scheduled_now(step)
+        outputs += eng._speculative_step(step)
+        return outputs + eng._flush_deferred()  # nothing of it may wait for a step that overlaps
 
     def _overlap(self, step: ScheduledStep, prev: _InFlight) -> str:
         """How step can run while prev is in flight: "overlap" (forward and sampling before prev's
@@ -218,6 +241,13 @@ class AsyncScheduling:
             if ahead and seq.status is not FINISHED:
                 ids.append(PENDING)
         return outputs
+
+
+def _scheduled_now(step: ScheduledStep) -> None:
+    now = time.monotonic()
+    for seq in step.seqs:
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = now
 
 
 def _copied(device: torch.device) -> torch.cuda.Event | None:

@@ -213,9 +213,9 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             self.pipeline = PipelineOverlap(self, args.pipeline_parallel_size)
         self.overlap = None  # --async-scheduling: step N+1 launched before step N's tokens are read
         if args.async_scheduling:
-            if args.pipeline_parallel_size > 1 or spec is not None:
-                raise ValueError("--async-scheduling does not combine with --pipeline-parallel-size > 1 (its "
-                                 "overlapping stages keep several steps in flight already) or --speculative-method")
+            if args.pipeline_parallel_size > 1:
+                raise ValueError("--async-scheduling does not combine with --pipeline-parallel-size > 1: its "
+                                 "overlapping stages keep several steps in flight already")
             self.overlap = AsyncScheduling(self)
             log.info("async scheduling: each step is launched before the previous step's tokens are read")
         self.eos_ids = _as_id_set(self.generation_config.get("eos_token_id"))
@@ -352,6 +352,9 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
                 seq.metrics.first_scheduled_time = now
         if self.speculator is None:
             return self._run(step, {})
+        return self._speculative_step(step)
+
+    def _speculative_step(self, step) -> list[RequestOutput]:
         tokens_before = self.generation_tokens_total
         outputs = self._run(step, self.speculator.propose(step))
         self.speculator.finish_step(self.generation_tokens_total - tokens_before)

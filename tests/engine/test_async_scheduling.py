@@ -263,9 +263,9 @@ def test_async_scheduling_on_cuda_graphs_gives_the_synchronous_outputs():  # pra
     assert engines[1].pool.num_free == engines[1].pool.num_blocks or engines[1].args.enable_prefix_caching
 
 
-def test_async_scheduling_refuses_what_it_does_not_combine_with():
-    with pytest.raises(ValueError, match="--async-scheduling"):
-        make_engine(BUNDLED_MODEL, async_scheduling=True, speculative_method="ngram")
+def test_async_scheduling_is_a_flag_that_combines_with_speculation():
+    engine = make_engine(BUNDLED_MODEL, async_scheduling=True, speculative_method="ngram")
+    assert engine.overlap is not None and engine.speculator is not None  # test_async_scheduling_spec.py
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     assert EngineArgs.from_cli(parser.parse_args(["--async-scheduling"])).async_scheduling

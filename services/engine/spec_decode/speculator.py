@@ -164,6 +164,14 @@ class Speculator:
             step.num_new[i] = 1 + len(proposal)
         return out
 
+    def may_propose(self, step: ScheduledStep) -> bool:
+        """Whether propose() could act on step (propose, or count a sequence's rest down): a decode
+        that speculates, in a batch small enough to speculate or seeded (seeded sequences follow
+        their own backoff whatever the batch). Async scheduling runs such steps synchronously:
+        proposals need every token on the host."""
+        small = len(step.seqs) <= self.config.disable_batch_size
+        return any(n == 1 and speculates(seq) and (small or _seeded(seq)) for seq, n in zip(step.seqs, step.num_new))
+
     def _cut(self, seq: Sequence, proposal: list[int]) -> list[int]:
         """The longest prefix of proposal that seq's grammar accepts (all of it without one)."""
         if seq.grammar is None or not proposal:
