@@ -16,7 +16,7 @@ import torch
 from kvrelay.engine.async_scheduling import PENDING, AsyncScheduling
 from kvrelay.engine.block_pool import BlockPool
 from kvrelay.engine.cpu_threads import plan_threads
-from kvrelay.engine.engine_args import EngineArgs, cpu_kv_cache_blocks
+from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError
 from kvrelay.engine.handoff import HandoffMixin
 from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
@@ -25,8 +25,7 @@ from kvrelay.engine.model_loader import load_model
 from kvrelay.engine.outputs import EngineStats, RequestOutput
 from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
 from kvrelay.engine.request_builder import RequestBuilderMixin
-from kvrelay.engine.runner.cuda_graphs import bucket_sizes
-from kvrelay.engine.runner.memory import plan_kv_cache
+from kvrelay.engine.runner.memory import choose_num_blocks
 from kvrelay.engine.runner.model_runner import ModelRunner
 from kvrelay.engine.runner.piecewise_graphs import check_piecewise
 from kvrelay.engine.sampler import sample
@@ -147,28 +146,8 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         use_graphs = self.device.type == "cuda" and not args.enforce_eager and self.ops.backend == "triton"
         if args.piecewise_cuda_graphs:
             check_piecewise(self.device, args.enforce_eager, self.ops.backend, self.model)
-        if args.num_kv_blocks:
-            num_blocks = args.num_kv_blocks
-        elif args.kv_cache_memory is not None:
-            num_blocks = args.kv_cache_memory // sizing_bytes
-        elif self.executor is not None:
-            cpu_blocks = cpu_kv_cache_blocks(sizing_bytes, bs, args.max_num_seqs, self.max_model_len)
-            num_blocks = self.executor.planned_blocks(sizing_bytes, cpu_blocks * sizing_bytes)
-        elif self.device.type == "cuda":
-            plan = plan_kv_cache(
-                self.model, cfg, self.dtype, self.device, args.gpu_memory_utilization, bs,
-                min(args.max_num_batched_tokens, self.max_model_len),
-                bucket_sizes(args.max_num_seqs)[-1] if use_graphs else 1, args.piecewise_cuda_graphs,
-            )
-            log.info("%s", plan.describe())
-            num_blocks = plan.kv_bytes // sizing_bytes
-        else:
-            num_blocks = cpu_kv_cache_blocks(sizing_bytes, bs, args.max_num_seqs, self.max_model_len)
-        if num_blocks * bs < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), less than one "
-                f"sequence of max_model_len {self.max_model_len}: raise --kv-cache-memory or lower --max-model-len"
-            )
+        num_blocks = choose_num_blocks(args, self.model, self.executor, cfg, self.dtype, self.device, sizing_bytes,
+                                       self.max_model_len, use_graphs)
         shape = (cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
         if self.executor is not None:  # each rank holds its part; the driver only the block table
             self.executor.allocate(num_blocks)

@@ -9,11 +9,14 @@ prefill step's activations and their fixed buffers.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from kvrelay.engine.model import StepBatch
 from kvrelay.engine.runner.piecewise_graphs import token_buckets
+
+log = logging.getLogger(__name__)
 
 GIB = 2**30
 
@@ -100,3 +103,37 @@ def plan_kv_cache(model, cfg, dtype: torch.dtype, device: torch.device, utilizat
         raise ValueError(f"no memory left for the KV cache: {plan.describe()}; raise --gpu-memory-utilization, "
                          "lower --max-num-batched-tokens or --max-num-seqs, or free the device")
     return plan
+
+
+def choose_num_blocks(args, model, executor, cfg, dtype: torch.dtype, device: torch.device, sizing_bytes: int,
+                      max_model_len: int, use_graphs: bool) -> int:
+    """The KV cache's blocks: --num-kv-blocks, else --kv-cache-memory, else what every parallel
+    rank's plan allows, else on CUDA what the memory plan leaves, else the CPU default. sizing_bytes:
+    per block id (the target's K/V, and a draft model's). Fails when one sequence would not fit."""
+    from kvrelay.engine.engine_args import cpu_kv_cache_blocks
+    from kvrelay.engine.runner.cuda_graphs import bucket_sizes
+
+    bs = args.block_size
+    if args.num_kv_blocks:
+        num_blocks = args.num_kv_blocks
+    elif args.kv_cache_memory is not None:
+        num_blocks = args.kv_cache_memory // sizing_bytes
+    elif executor is not None:
+        cpu_blocks = cpu_kv_cache_blocks(sizing_bytes, bs, args.max_num_seqs, max_model_len)
+        num_blocks = executor.planned_blocks(sizing_bytes, cpu_blocks * sizing_bytes)
+    elif device.type == "cuda":
+        plan = plan_kv_cache(
+            model, cfg, dtype, device, args.gpu_memory_utilization, bs,
+            min(args.max_num_batched_tokens, max_model_len),
+            bucket_sizes(args.max_num_seqs)[-1] if use_graphs else 1, args.piecewise_cuda_graphs,
+        )
+        log.info("%s", plan.describe())
+        num_blocks = plan.kv_bytes // sizing_bytes
+    else:
+        num_blocks = cpu_kv_cache_blocks(sizing_bytes, bs, args.max_num_seqs, max_model_len)
+    if num_blocks * bs < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens), less than one "
+            f"sequence of max_model_len {max_model_len}: raise --kv-cache-memory or lower --max-model-len"
+        )
+    return num_blocks
