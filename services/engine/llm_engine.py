@@ -297,7 +297,8 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            expert_load=getattr(self.model, "expert_load", None),
+            # MoE counters (with worker processes, read from TP rank 0 on demand)
+            expert_load=getattr(self.model, "expert_load", None) if self.config.moe is not None else None,
             **self._spec_stats(),
             **(self.executor.stats.as_engine_stats() if self.executor is not None else {}),
         )

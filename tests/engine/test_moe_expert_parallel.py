@@ -34,8 +34,12 @@ def test_ep2_equals_ep1_and_each_rank_loads_half_the_experts(tmp_path, arch, qua
     try:
         got = _run(engine)
         held = engine.executor.held
+        # kvrelay:moe_expert_tokens under EP: rank 0 routes every token, so its counters are one
+        # process's (each worker zeroed them after start-up, as one process does).
+        load, want = engine.stats().expert_load(), one_engine.stats().expert_load()
     finally:
         engine.close()
+    assert load.total == want.total and load.steps == want.steps and sum(load.total) > 0
     assert got[0] == one[0]
     for rid, lps in got[1].items():  # the ranks' partial sums associate differently from one process
         assert all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(lps, one[1][rid], strict=True)), rid

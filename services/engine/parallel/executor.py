@@ -235,6 +235,14 @@ class MultiprocExecutor:
             for r in range(self.world_size):
                 self._recv(r, "scatter", LOAD_TIMEOUT_S)
 
+    def expert_load(self):
+        """A MoE model's expert-load counters (moe_layer.ExpertLoad) as TP rank 0 counted them."""
+        with self._lock:
+            self.check()
+            self._broadcast(("expert_load", None))
+            loads = [self._recv(r, "expert_load", LOAD_TIMEOUT_S) for r in range(self.world_size)]
+        return loads[0]
+
     def check(self) -> None:
         if self.failed is not None:
             raise WorkerDiedError(self.failed)

@@ -205,6 +205,8 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
     _, num_blocks = decode(conn.recv_bytes())
     kv_cache = torch.zeros((local.num_layers, 2, num_blocks, spec.block_size, local.num_kv_heads, local.head_dim),
                            dtype=spec.dtype, device=device)
+    if hasattr(model, "reset_expert_load"):  # MoE: drop the memory plan's profiling counts
+        model.reset_expert_load()
     conn.send_bytes(encode(("allocated", rank, None)))
 
     prev, nxt = rank - tp, rank + tp
@@ -221,6 +223,10 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
         kind, payload = decode(receive())
         if kind == "close":
             break
+        if kind == "expert_load":  # MoE: every rank routes every token, so rank 0's counts are the whole's
+            load = model.expert_load() if rank == 0 and hasattr(model, "expert_load") else None
+            conn.send_bytes(encode(("expert_load", rank, load)))
+            continue
         if kind in ("gather", "scatter"):  # P/D hand-off: this rank's heads of its stage's layers
             block_ids, lo, hi, data = payload
             a, b = max(lo, stage[0]), min(hi, stage[1])
@@ -239,6 +245,7 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
         plan = payload.pop("sampling", None)  # rows this rank samples (remote_sampling.py)
         batch = batch_from_wire(payload, device)
         with torch.inference_mode():
+            model.begin_step(batch.slot_mapping)  # per-step device state, as forward() keeps it (MoE load)
             if state.is_first_stage:
                 hidden, residual = model.embed(batch.input_ids), None
             else:
@@ -258,6 +265,7 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
                 COMM.add("send_recv", hidden, t, count=2)
             else:
                 logits = model.compute_logits(batch, hidden, residual)
+            model.end_step()
         forward_s = timer.stop()
         # Every rank replies to every step with its forward time (kvrelay:parallel_rank_forward_seconds)
         # and its communication.
