@@ -40,7 +40,7 @@ import grpc
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.outputs import TokenLogprob
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.kvtransfer.chunk_wire import PREFILL_METHOD, ServerMessage, decode_server_message
+from kvrelay.kvtransfer.chunk_wire import PREFILL_METHOD, decode_server_message
 from kvrelay.kvtransfer.convert import logprob_from_proto, params_to_proto
 from kvrelay.kvtransfer.doorbell import DoorbellHandoff, DoorbellServer
 from kvrelay.kvtransfer.errors import ChunkError, HandoffError, LayoutMismatchError, PrefillFailedError
@@ -51,6 +51,13 @@ from kvrelay.kvtransfer.layout import (
     KVLayout,
     ReceivedChunk,
     check_layout,
+)
+from kvrelay.kvtransfer.prefill_call import (
+    abort_call,
+    ack_on_stream,
+    read_message,
+    to_completion,
+    watch_stream,
 )
 from kvrelay.kvtransfer.prompt_logprobs_wire import received_prompt_logprobs
 from kvrelay.kvtransfer.shm import Region, ShmArena, SourceCaches
@@ -149,6 +156,9 @@ class GrpcKVTransport(KVTransport):
         # A region whose prefill worker never confirmed the end of a failed hand-off returns to
         # the arena only after this long (the prefill side's lease is 30 s by default).
         self.shm_quarantine_s = 60.0
+        # After the abort message, how long the prefill worker has to end the call before its
+        # region is quarantined (it may still be writing into it). A fallback waits this long.
+        self.abort_grace_s = 0.5
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._acks: set[asyncio.Task] = set()  # doorbell hand-offs' stream acks, still being written
 
@@ -207,7 +217,7 @@ class GrpcKVTransport(KVTransport):
                 self.doorbell.unregister(attempt.doorbell)  # before the caller frees the blocks
             # To its end even if this task is cancelled again meanwhile (a client that hangs up
             # while its abort is on the way): stopped halfway, it would strand the region.
-            await _to_completion(self._end(call, inner, attempt, done_ok))
+            await to_completion(self._end(call, inner, attempt, done_ok))
 
     async def _end(self, call, inner: asyncio.Task, attempt: _Attempt, done_ok: bool) -> None:
         """After a pull: end the exchange (unless it completed), then give the region back, or
@@ -219,7 +229,7 @@ class GrpcKVTransport(KVTransport):
                 await asyncio.gather(inner, return_exceptions=True)
             # A doorbell hand-off's watcher reads the stream: do not read it twice.
             drain = inner.done() and attempt.watcher is None
-            writer_stopped = await _abort_call(call, "decode side gave up the hand-off", drain=drain)
+            writer_stopped = await abort_call(call, "decode side gave up the hand-off", drain, self.abort_grace_s)
             inner.cancel()
             if attempt.watcher is not None:
                 attempt.watcher.cancel()
@@ -267,7 +277,7 @@ class GrpcKVTransport(KVTransport):
             attempt.awaiting_reservation = True
             await dest.reserved()
             attempt.awaiting_reservation = False
-        rx = await _read(call)
+        rx = await read_message(call)
         if rx.kind() != "header":
             raise PrefillFailedError(f"hand-off began with {rx.kind()!r}, expected a header")
         header = rx.msg.header
@@ -302,7 +312,7 @@ class GrpcKVTransport(KVTransport):
         writer = _BatchWriter(dest.write)
         try:
             while True:
-                rx = await _read(call)
+                rx = await read_message(call)
                 kind, msg = rx.kind(), rx.msg
                 if kind == "chunk":
                     t0 = t0 or time.monotonic()
@@ -366,11 +376,11 @@ class GrpcKVTransport(KVTransport):
         ringer thread, written by this worker's doorbell thread); the stream can only end the
         hand-off early (aborted, closed, broken)."""
         h = attempt.doorbell
-        attempt.watcher = asyncio.create_task(_watch_stream(call, h))
+        attempt.watcher = asyncio.create_task(watch_stream(call, h))
         done = await h.future
         prompt_lps = _prompt_logprobs(done, request)
         # The doorbell acked from its thread already; this ack covers a lost one, off the TTFT's path.
-        task = asyncio.create_task(_ack_on_stream(call))
+        task = asyncio.create_task(ack_on_stream(call))
         self._acks.add(task)
         task.add_done_callback(self._acks.discard)
         return HandoffResult(
@@ -393,44 +403,6 @@ class _Attempt:
     # The exchange waits for an early start's reservation and reads nothing from the stream yet:
     # cancelling it then cannot cancel the RPC (which a cancel inside call.read() would).
     awaiting_reservation: bool = False
-
-
-async def _to_completion(coro) -> None:
-    """Await coro as a task that runs to its end whatever happens to the awaiting task; a cancel
-    that arrives meanwhile is raised once it has ended."""
-    task = asyncio.ensure_future(coro)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    task.result()
-
-
-async def _ack_on_stream(call) -> None:
-    with contextlib.suppress(Exception):  # the call may have ended on the doorbell's ack
-        await call.write(kv_pb2.PrefillClientMessage(ack=kv_pb2.PrefillAck()))
-        await call.done_writing()
-
-
-async def _watch_stream(call, h: DoorbellHandoff) -> None:
-    """A doorbell hand-off's stream: anything before the hand-off completes ends it; after that
-    the prefill worker's end of the call is read and dropped."""
-    try:
-        while True:
-            rx = await call.read()
-            if rx is grpc.aio.EOF:
-                h.resolve(PrefillFailedError("the prefill worker closed the hand-off stream early"))
-                return
-            if rx.kind() == "aborted":
-                h.resolve(PrefillFailedError(f"prefill worker aborted the hand-off: {rx.msg.aborted.reason}"))
-            else:
-                h.resolve(PrefillFailedError(f"unexpected {rx.kind()!r} message on a doorbell hand-off's stream"))
-    except grpc.aio.AioRpcError as e:
-        h.resolve(e)  # pull maps it like any other stream error
 
 
 class _ShmReader:
@@ -462,40 +434,6 @@ def _prompt_logprobs(done: kv_pb2.PrefillDone, request: HandoffRequest) -> list[
         return received_prompt_logprobs(done, request.prompt_ids, request.params.prompt_logprobs)
     except ValueError as e:  # another prefill worker, or a local prefill, can still score the prompt
         raise PrefillFailedError(str(e)) from None
-
-
-async def _read(call) -> ServerMessage:
-    msg = await call.read()
-    if msg is grpc.aio.EOF:
-        raise PrefillFailedError("the prefill worker closed the hand-off stream early")
-    return msg
-
-
-async def _abort_call(call, reason: str, drain: bool) -> bool:
-    """Explicit abort towards the prefill worker, then drop the stream (whatever state it is in).
-
-    drain: read and drop what the prefill worker already sent (gRPC delivers the call's status
-    only after its messages); False while another task still reads the call. Returns whether the
-    call had ended by itself (the prefill worker's handler returned, or its process or connection
-    is gone) before this side had to cancel it."""
-    # Give the prefill worker half a second to end the call itself after the abort message; the
-    # stream may already be gone, and then the cancel below is all there is to do.
-    ended = call.done()
-    try:
-        if not ended:
-            async with asyncio.timeout(0.5):
-                await call.write(kv_pb2.PrefillClientMessage(abort=kv_pb2.PrefillAbort(reason=reason)))
-                await call.done_writing()
-                while drain and await call.read() is not grpc.aio.EOF:
-                    pass
-                await call.code()
-                ended = True  # not call.done(): the timeout's cancel also marks the call done
-    except grpc.aio.AioRpcError:
-        ended = True  # the call already carries its final status
-    except (Exception, asyncio.CancelledError):  # noqa: BLE001 - timed out, or the stream is unusable
-        ended = False
-    call.cancel()
-    return ended
 
 
 class _BatchWriter:

@@ -366,7 +366,7 @@ async def test_a_pull_cleanup_runs_to_its_end_through_a_second_cancel():
     """The pull's clean-up (abort towards the prefill worker, free or quarantine the region) runs
     in full even when the task is cancelled again during it: a client that hangs up while its
     abort is on the way once cut it short and leaked the shared-memory region."""
-    from kvrelay.kvtransfer.transport import _to_completion
+    from kvrelay.kvtransfer.prefill_call import to_completion
 
     steps = []
 
@@ -381,7 +381,7 @@ async def test_a_pull_cleanup_runs_to_its_end_through_a_second_cancel():
         try:
             await asyncio.sleep(30)
         finally:
-            await _to_completion(cleanup())
+            await to_completion(cleanup())
 
     task = asyncio.create_task(pull())
     await asyncio.sleep(0.01)

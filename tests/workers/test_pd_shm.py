@@ -164,6 +164,7 @@ async def test_region_waits_out_a_quarantine_when_the_prefill_worker_never_confi
     monkeypatch.setattr(prefill_worker.PrefillWorker, "_read_decode_side", deaf_reader)
     pair = await _shm_pair(tmp_path)
     pair.decode.transport.shm_quarantine_s = 1.0
+    pair.decode.transport.abort_grace_s = 0.5  # production's: the prefill worker never answers here
     arena = pair.decode.arena
     try:
         want = await reference_tokens(PROMPT[:100], SEEDED)
