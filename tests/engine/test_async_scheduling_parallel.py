@@ -21,9 +21,24 @@ from kvrelay.models import BUNDLED_MODEL
 KV = {"kv_cache_memory": 4 * 2**20}
 
 
+def _tp_requests() -> dict[str, tuple]:
+    """test_async_scheduling's requests, and a logit bias without penalties: the parallel worker
+    samples it, with its bias (and min_tokens' ban) applied there."""
+    return _requests() | {
+        "bias": (PROMPTS[1], SamplingParams(max_tokens=30, temperature=0.7, seed=4, logit_bias={426: -8.0, 263: 3.0})),
+        # Unbanned, this greedy run stops at "." (426) after 4 tokens.
+        "ban": (PROMPTS[5], SamplingParams(max_tokens=20, temperature=0.0, min_tokens=10, stop_token_ids=[426])),
+    }
+
+
 @pytest.fixture(scope="module")
 def sync_ref():
-    return _collect(make_engine(BUNDLED_MODEL, **KV), _requests())
+    out = _collect(make_engine(BUNDLED_MODEL, **KV), _tp_requests())
+    unbiased = _collect(make_engine(BUNDLED_MODEL, **KV), {"bias": (PROMPTS[1], SamplingParams(
+        max_tokens=30, temperature=0.7, seed=4))})
+    assert out[("bias", 0)]["ids"] != unbiased[("bias", 0)]["ids"]  # the bias changes the tokens
+    assert len(out[("ban", 0)]["ids"]) >= 10
+    return out
 
 
 def _watch_in_flight(engine, name: str) -> list[int]:
@@ -48,16 +63,16 @@ def test_outputs_are_made_while_the_workers_compute_and_equal_one_process(sync_r
                          async_output=True, **KV)  # the default with CUDA workers
     try:
         seen = _watch_in_flight(engine, "_collect" if async_scheduling else "_flush_deferred")
-        got = _collect(engine, _requests())
+        got = _collect(engine, _tp_requests())
         _same(sync_ref, got)
         # The host's share of the outputs came while a step was out with the workers: all of it
         # but the last, which has no next step to hide behind.
         busy = [n for in_flight, n in seen if n and in_flight == 1]
         idle = [n for in_flight, n in seen if n and in_flight == 0]
         assert len(busy) > 20 and len(idle) <= 2, (len(busy), idle)
-        # Most rows were sampled on the worker (remote_sampling.py); penalties, processors and
-        # grammars on the driver, and both kinds ended as one process's.
-        host_rows = {("penalised", 0), ("frequency", 0), ("min_tokens", 0), ("grammar", 0), ("grammar", 1)}
+        # Most rows were sampled on the worker (remote_sampling.py), min_tokens' ban and the bias
+        # applied there; penalties, processors and grammars on the driver; all as one process's.
+        host_rows = {("penalised", 0), ("frequency", 0), ("grammar", 0), ("grammar", 1)}
         assert engine.executor.sampled_rows >= sum(len(v["ids"]) for k, v in got.items() if k not in host_rows)
         if async_scheduling:
             assert engine.overlap.late_sampled_steps == engine.overlap.overlapped_steps > 20

@@ -3,11 +3,12 @@ instead of [rows, vocab] fp32 logits.
 
 A step's logits travel from TP rank 0 of the last stage to the driver through a pipe: 65.7 MB for
 128 rows of a 128k vocabulary, 149 ms per step to encode, send and decode on the 2-core VM, where a
-decode step on an H200 takes 2-13 ms. Most rows need nothing from the driver to be sampled: no
-penalties, bias, min_tokens ban, logits processors or grammar (those read the sequence's history or
-matcher state on the driver). For those the driver sends each row's temperature, top-k, top-p,
-min-p, logprobs count and its uniform, drawn from the sequence's own stream as the driver's sampler
-draws it, and the worker runs the driver's own `sampler.pick` on its logits. The reply keeps the
+decode step on an H200 takes 2-13 ms. Most rows need nothing from the driver to be sampled but a
+few numbers: penalties, logits processors and grammars read the sequence's history or matcher state
+on the driver, and stay there. For the other rows the driver sends each row's temperature, top-k,
+top-p, min-p, logprobs count, logit bias and active min_tokens ban, and its uniform, drawn from the
+sequence's own stream as the driver's sampler draws it; the worker edits the row as the driver's
+sampler would (bias, then the ban) and runs the driver's own `sampler.pick`. The reply keeps the
 full logits only of the other rows.
 
 Only plain steps are planned: speculative verification (every proposed token's logits) and prompt
@@ -32,6 +33,8 @@ class RowSampling(NamedTuple):
     top_p: float
     min_p: float
     logprobs: int | None
+    bias: tuple[list[int], list[float]] | None = None  # logit_bias: token ids, values
+    ban: list[int] | None = None  # min_tokens not reached yet: the stop ids, banned
 
 
 @dataclass
@@ -51,11 +54,17 @@ def plan(seqs: list[Sequence], sample_idx: list[int]) -> SamplingPlan | None:
     rows, params, uniforms = [], [], []
     for j, i in enumerate(sample_idx):
         seq = seqs[i]
-        if seq.adjusts_logits or seq.grammar is not None:
-            continue
         p = seq.params
+        if (seq.grammar is not None or seq.processors or p.repetition_penalty != 1.0 or p.presence_penalty
+                or p.frequency_penalty):
+            continue  # reads the history or the matcher: sampled on the driver
+        bias = ban = None
+        if seq.logit_bias is not None:
+            bias = (seq.logit_bias[0].tolist(), seq.logit_bias[1].tolist())
+        if seq.num_generated < p.min_tokens and seq.ban_ids is not None:
+            ban = seq.ban_ids.tolist()
         rows.append(j)
-        params.append(RowSampling(p.temperature, p.top_k, p.top_p, p.min_p, p.logprobs))
+        params.append(RowSampling(p.temperature, p.top_k, p.top_p, p.min_p, p.logprobs, bias, ban))
         if p.temperature != 0.0:
             uniforms.append(seq.rng.random())
     return SamplingPlan(rows, params, uniforms) if rows else None
@@ -68,7 +77,14 @@ def sample_on_worker(logits: torch.Tensor, plan: SamplingPlan | None):
     every = len(plan.rows) == logits.shape[0]  # the common step: no row needs the driver
     mine = logits if every else logits.index_select(0, to_device(plan.rows, logits.device, torch.int64))
     want = [i for i, p in enumerate(plan.params) if p.logprobs is not None]
-    s = pick(mine, plan.params, plan.uniforms, raw_log_softmax(mine, want))
+    raw = raw_log_softmax(mine, want)  # of the logits as the model gave them, as the driver's sampler
+    for r, p in enumerate(plan.params):  # sampler._adjust's edits, in its order
+        if p.bias is not None:
+            mine[r][to_device(p.bias[0], mine.device, torch.int64)] += to_device(
+                p.bias[1], mine.device, torch.float32).to(mine.dtype)
+        if p.ban is not None:
+            mine[r].index_fill_(0, to_device(p.ban, mine.device, torch.int64), float("-inf"))
+    s = pick(mine, plan.params, plan.uniforms, raw)
     planned = set(plan.rows)
     rest = [r for r in range(logits.shape[0]) if r not in planned]
     host = logits.index_select(0, to_device(rest, logits.device, torch.int64)) if rest else None
