@@ -9,6 +9,7 @@ the median of its rounds, against the same steps in one process measured just be
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -17,12 +18,14 @@ from common import prefill_all
 
 
 def section_parallel_step(rep, model_dir: Path, vocab: int, device: str, smoke: bool) -> None:
+    import torch
     from kvrelay.engine.engine_args import EngineArgs
     from kvrelay.engine.llm_engine import LLMEngine
 
     nseq, ctx, steps, rounds = (4, 40, 3, 1) if smoke else (128, 512, 10, 2)
-    kw = {"max_num_seqs": nseq, "enforce_eager": True}  # the worker path runs no graphs: compare like with like
-    kw |= {"kv_cache_memory": 64 * 2**20} if smoke else {"gpu_memory_utilization": 0.5}
+    # The worker path runs no graphs: compare like with like. A fixed KV size (128 x ~600 tokens of 32 KiB
+    # fit in 4 GiB): no memory plan, which would count this process's memory as the worker's neighbour's.
+    kw = {"max_num_seqs": nseq, "enforce_eager": True, "kv_cache_memory": (64 if smoke else 4096) * 2**20}
     times: dict[str, list[float]] = {"one process": [], "logits to the driver": [], "sampling on the worker": []}
     for name, extra in (("one process", {}), ("worker", {"distributed_executor_backend": "mp"})):
         engine = LLMEngine(EngineArgs(model=str(model_dir), device=device, **kw, **extra))
@@ -39,6 +42,10 @@ def section_parallel_step(rep, model_dir: Path, vocab: int, device: str, smoke: 
                     times[mode].append((time.perf_counter() - start) * 1e3 / steps)
         finally:
             engine.close()
+            del engine
+            gc.collect()  # the in-process engine's weights and cache, before the worker loads its own
+            if device == "cuda":
+                torch.cuda.empty_cache()
     ms = {mode: statistics.median(t) for mode, t in times.items()}
     base = ms["one process"]
     for mode, value in ms.items():
