@@ -53,9 +53,9 @@ from kvrelay.kvtransfer.layout import (
     check_layout,
 )
 from kvrelay.kvtransfer.prefill_call import (
+    StreamReader,
     abort_call,
     ack_on_stream,
-    read_message,
     to_completion,
     watch_stream,
 )
@@ -161,6 +161,7 @@ class GrpcKVTransport(KVTransport):
         self.abort_grace_s = 0.5
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._acks: set[asyncio.Task] = set()  # doorbell hand-offs' stream acks, still being written
+        self._readers: set[asyncio.Task] = set()  # completed hand-offs' streams, read to their end
 
     def _prefill_call(self, addr: str, timeout_s: float | None = None,
                       client_request_id: str = "") -> grpc.aio.StreamStreamCall:
@@ -195,12 +196,19 @@ class GrpcKVTransport(KVTransport):
         if self.arena is not None and nbytes:
             region = self.arena.allocate(nbytes)  # None when the arena is full: inline this time
         attempt = _Attempt(region, prefill_addr)
-        # The exchange runs in its own task: cancelling a task blocked in call.read() would cancel
-        # the RPC before the explicit abort message could go out.
-        inner = asyncio.create_task(self._run(call, request, dest, attempt))
+        reader = StreamReader(call)
+        self._readers.add(reader.task)
+        reader.task.add_done_callback(self._readers.discard)
+        inner: asyncio.Task | None = None
         done_ok = False
         try:
             async with asyncio.timeout(timeout_s):
+                start, verifier = self._prepare(request, dest, attempt)
+                attempt.started = True
+                # Written whole even if this task is cancelled meanwhile: a cancelled write cancels the RPC.
+                await to_completion(call.write(kv_pb2.PrefillClientMessage(start=start)))
+                # The exchange runs in its own task, which the clean-up can stop while the abort goes out.
+                inner = asyncio.create_task(self._run(call, reader, start, verifier, request, dest, attempt))
                 result = await asyncio.shield(inner)
             done_ok = True  # PrefillDone came after the last chunk: nothing more is placed
             return result
@@ -217,23 +225,26 @@ class GrpcKVTransport(KVTransport):
                 self.doorbell.unregister(attempt.doorbell)  # before the caller frees the blocks
             # To its end even if this task is cancelled again meanwhile (a client that hangs up
             # while its abort is on the way): stopped halfway, it would strand the region.
-            await to_completion(self._end(call, inner, attempt, done_ok))
+            await to_completion(self._end(call, reader, inner, attempt, done_ok))
 
-    async def _end(self, call, inner: asyncio.Task, attempt: _Attempt, done_ok: bool) -> None:
+    async def _end(self, call, reader: StreamReader, inner: asyncio.Task | None, attempt: _Attempt,
+                   done_ok: bool) -> None:
         """After a pull: end the exchange (unless it completed), then give the region back, or
         hold it while the prefill worker might still write into it."""
         writer_stopped = True  # no prefill-side code can still write into the region
-        if not done_ok:
-            if attempt.awaiting_reservation:  # it reads nothing yet: stop it, so the stream is drained below
-                inner.cancel()
+        if not done_ok and inner is not None:
+            attempt.giving_up = True  # the exchange writes no ack from now on: the abort below may
+            if attempt.acking:  # unless it is writing it: PrefillDone came, let the ack go out
                 await asyncio.gather(inner, return_exceptions=True)
-            # A doorbell hand-off's watcher reads the stream: do not read it twice.
-            drain = inner.done() and attempt.watcher is None
-            writer_stopped = await abort_call(call, "decode side gave up the hand-off", drain, self.abort_grace_s)
-            inner.cancel()
-            if attempt.watcher is not None:
-                attempt.watcher.cancel()
-            await asyncio.gather(inner, return_exceptions=True)
+            done_ok = inner.done() and not inner.cancelled() and inner.exception() is None
+        if not done_ok and not attempt.started:  # nothing went out: no prefill worker knows of it
+            call.cancel()
+        elif not done_ok:
+            writer_stopped = await abort_call(call, reader, "decode side gave up the hand-off", self.abort_grace_s)
+            tasks = [t for t in (inner, attempt.watcher, reader.task) if t is not None]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         if attempt.region is not None:
             if writer_stopped:
                 self.arena.free(attempt.region)  # engine-thread writes already queued only read it
@@ -242,7 +253,10 @@ class GrpcKVTransport(KVTransport):
                 # chunk into the region, which must not reach another hand-off's K/V.
                 asyncio.get_running_loop().call_later(self.shm_quarantine_s, self.arena.free, attempt.region)
 
-    async def _run(self, call, request: HandoffRequest, dest: KVDestination, attempt: _Attempt) -> HandoffResult:
+    def _prepare(self, request: HandoffRequest, dest: KVDestination,
+                 attempt: _Attempt) -> tuple[kv_pb2.PrefillStart, ChunkVerifier]:
+        """PrefillStart with the planes offered, and the verifier of what comes back; a doorbell
+        is registered here, before the prefill worker can ring."""
         region = attempt.region
         start = kv_pb2.PrefillStart(
             request_id=request.request_id, prompt_token_ids=request.prompt_ids,
@@ -272,12 +286,15 @@ class GrpcKVTransport(KVTransport):
                 start.shm.direct = self.sources is not None
                 if self.sources is not None:
                     self.sources.prune()
-        await call.write(kv_pb2.PrefillClientMessage(start=start))
+        return start, verifier
+
+    async def _run(self, call, reader: StreamReader, start: kv_pb2.PrefillStart, verifier: ChunkVerifier,
+                   request: HandoffRequest, dest: KVDestination, attempt: _Attempt) -> HandoffResult:
+        region = attempt.region
+        num_blocks = _num_blocks(self.layout, request)
         if dest.reserved is not None:  # the prefill computes meanwhile; its messages wait in the stream
-            attempt.awaiting_reservation = True
             await dest.reserved()
-            attempt.awaiting_reservation = False
-        rx = await read_message(call)
+        rx = await reader.next()
         if rx.kind() != "header":
             raise PrefillFailedError(f"hand-off began with {rx.kind()!r}, expected a header")
         header = rx.msg.header
@@ -302,7 +319,7 @@ class GrpcKVTransport(KVTransport):
                 raise ChunkError("prefill worker chose the doorbell, which this decode worker did not offer")
             if start.cuda_ipc.doorbell and not header.HasField("cuda_ipc"):
                 raise ChunkError("prefill worker rang the CUDA IPC plane's doorbell without the plane")
-            return await self._await_doorbell(call, attempt, verifier, request,
+            return await self._await_doorbell(call, reader, attempt, verifier, request,
                                               "cuda-ipc" if header.HasField("cuda_ipc") else "shm")
         if attempt.doorbell is not None:  # the prefill worker cannot reach the socket: the stream carries all
             self.doorbell.unregister(attempt.doorbell)
@@ -312,7 +329,7 @@ class GrpcKVTransport(KVTransport):
         writer = _BatchWriter(dest.write)
         try:
             while True:
-                rx = await read_message(call)
+                rx = await reader.next()
                 kind, msg = rx.kind(), rx.msg
                 if kind == "chunk":
                     t0 = t0 or time.monotonic()
@@ -325,6 +342,9 @@ class GrpcKVTransport(KVTransport):
                     await writer.drain()
                     verifier.check_complete()
                     prompt_lps = _prompt_logprobs(msg.done, request)
+                    if attempt.giving_up:  # the clean-up is sending the abort
+                        raise asyncio.CancelledError
+                    attempt.acking = True
                     await call.write(kv_pb2.PrefillClientMessage(ack=kv_pb2.PrefillAck()))
                     await call.done_writing()
                     done = msg.done
@@ -370,13 +390,13 @@ class GrpcKVTransport(KVTransport):
         self.doorbell.register(h)
         return h
 
-    async def _await_doorbell(self, call, attempt: _Attempt, verifier: ChunkVerifier,
+    async def _await_doorbell(self, call, reader: StreamReader, attempt: _Attempt, verifier: ChunkVerifier,
                               request: HandoffRequest, plane: str) -> HandoffResult:
         """The chunks and PrefillDone come on the doorbell (from the prefill worker's engine or
         ringer thread, written by this worker's doorbell thread); the stream can only end the
         hand-off early (aborted, closed, broken)."""
         h = attempt.doorbell
-        attempt.watcher = asyncio.create_task(watch_stream(call, h))
+        attempt.watcher = asyncio.create_task(watch_stream(reader, h))
         done = await h.future
         prompt_lps = _prompt_logprobs(done, request)
         # The doorbell acked from its thread already; this ack covers a lost one, off the TTFT's path.
@@ -399,10 +419,10 @@ class _Attempt:
     region: Region | None
     prefill_addr: str = ""
     doorbell: DoorbellHandoff | None = None
-    watcher: asyncio.Task | None = None  # reads the stream of a doorbell hand-off
-    # The exchange waits for an early start's reservation and reads nothing from the stream yet:
-    # cancelling it then cannot cancel the RPC (which a cancel inside call.read() would).
-    awaiting_reservation: bool = False
+    watcher: asyncio.Task | None = None  # watches the stream of a doorbell hand-off
+    started: bool = False  # PrefillStart went out (or is going)
+    giving_up: bool = False  # the clean-up is ending the call
+    acking: bool = False  # the exchange is writing its ack (the one write besides PrefillStart)
 
 
 class _ShmReader:
@@ -465,9 +485,9 @@ class _BatchWriter:
     async def close(self) -> None:
         """Stop writing: the caller frees the blocks after this returns."""
         self._pending.clear()
-        if self._task is not None and not self._task.done():
+        if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):  # already failing
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # already failing, or failed unread
                 await self._task
 
 

@@ -67,9 +67,10 @@ async def start_pair(model: Path | str = BUNDLED_MODEL, num_kv_blocks: int = 96,
                      decode_options or WorkerOptions())
     pp, dp = await p.start(), await d.start()
     if hasattr(d.transport, "abort_grace_s"):
-        # A prefill worker on a loaded 2-core machine can take longer than production's 0.5 s to end
-        # an aborted call: the region would then be quarantined for 60 s, and tests that check it
-        # comes back would fail on the load, not on a leak.
+        # Margin for a loaded 2-core machine: the prefill worker ends an aborted call only after its
+        # engine thread released the blocks. Past the grace the region is quarantined for 60 s, and
+        # tests that check it comes back would fail on the load, not on a leak. (A decode side that
+        # never saw the call end waits out any grace: test_pd_early_start's given-up pulls.)
         d.transport.abort_grace_s = ABORT_GRACE_S
     return Pair(p, d, f"127.0.0.1:{pp}", f"127.0.0.1:{dp}", DecodeClient(f"127.0.0.1:{dp}"))
 

@@ -266,6 +266,50 @@ async def test_an_abort_while_the_hand_off_waits_for_the_reservation_frees_every
         await stop_pair(pair)
 
 
+@pytest.mark.parametrize("doorbell", [False, True], ids=["stream", "doorbell"])
+async def test_a_pull_given_up_at_any_moment_gets_its_region_back_at_once(tmp_path, doorbell):
+    """A pull given up after k turns of the event loop: while PrefillStart is being written, while
+    the exchange waits for its reservation with the prefill worker's messages unread, or later.
+    The prefill worker is seen to end the call after the abort every time, so the region returns
+    to the arena when the pull ends, never into the quarantine. (A pull given up during the
+    write once left the header unread, so the call's status never came and the grace ran out.)"""
+    from kvrelay.kvtransfer.transport import HandoffRequest, KVDestination
+
+    dopts = WorkerOptions(kv_shm_dir=str(tmp_path), kv_shm_bytes=4 << 20, kv_doorbell=doorbell)
+    pair = await start_pair(prefill_options=WorkerOptions(kv_shm_dir=str(tmp_path)), decode_options=dopts)
+    transport, arena = pair.decode.transport, pair.decode.arena
+    transport.shm_quarantine_s = 3600.0
+    try:
+        for k in range(12):
+            given_up = threading.Event()
+
+            def unreserved(given_up=given_up):  # the doorbell thread's: fails once the pull is given up
+                given_up.wait(30)
+                raise RuntimeError("the pull was given up")
+
+            def never_written(batch):
+                raise AssertionError("nothing is written before the reservation")
+
+            async def never_written_async(batch):
+                never_written(batch)
+
+            dest = KVDestination([], never_written_async, write_now=never_written,
+                                 reserved=asyncio.Event().wait, reserved_blocking=unreserved)
+            request = HandoffRequest(f"k{k}", list(range(30, 90)), PARAMS)
+            task = asyncio.create_task(transport.pull(pair.prefill_addr, request, dest))
+            for _ in range(k):
+                await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            given_up.set()
+            assert task.cancelled()
+            assert arena.free_bytes == arena.capacity, f"given up after {k} turns: region not back"
+            await wait_until(lambda: not pair.prefill.leases._by_id, what=f"the prefill worker to end k{k}")
+        await assert_all_free(pair.prefill.engine, pair.decode.engine)
+    finally:
+        await stop_pair(pair)
+
+
 async def test_hand_offs_join_an_async_scheduled_batch_with_single_process_tokens():
     """A decode worker with async scheduling (step N+1 launched before step N's tokens are read)
     takes hand-offs while its batch decodes: the first token goes out before the activation, the
