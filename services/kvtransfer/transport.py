@@ -237,9 +237,15 @@ class GrpcKVTransport(KVTransport):
             if attempt.acking:  # unless it is writing it: PrefillDone came, let the ack go out
                 await asyncio.gather(inner, return_exceptions=True)
             done_ok = inner.done() and not inner.cancelled() and inner.exception() is None
-        if not done_ok and not attempt.started:  # nothing went out: no prefill worker knows of it
+        # From here on, what nobody has read is dropped: the call's status can arrive, and a stream
+        # that carries more than the protocol allows never holds the reader up.
+        reader.discard()
+        if done_ok:
+            if attempt.watcher is not None:  # a doorbell hand-off completed: nothing left to watch
+                attempt.watcher.cancel()
+        elif not attempt.started:  # nothing went out: no prefill worker knows of it
             call.cancel()
-        elif not done_ok:
+        else:
             writer_stopped = await abort_call(call, reader, "decode side gave up the hand-off", self.abort_grace_s)
             tasks = [t for t in (inner, attempt.watcher, reader.task) if t is not None]
             for t in tasks:
