@@ -9,9 +9,11 @@ workers); "a" --async-scheduling; "m" worker processes at world size 1 (--distri
                                             [--configs 1x1,2x1,1x2s,1x2] [--repeats 3] [--threads 1]
     .venv/bin/python benchmarks/parallel.py --configs 1x1,1x1m,1x1md,1x1ma,2x1,2x1d,2x1a   # the driver's overlap
     .venv/bin/python benchmarks/parallel.py --configs 1x1,1x1ml,1x1m,2x1l,2x1 --layers 1    # sampling on the worker
+    .venv/bin/python benchmarks/parallel.py --configs 1x1,1x1ml,1x1m,2x1l,2x1 --layers 1 --repetition-penalty 1.1
 
 The ~30M-parameter dummy Llama (benchmarks/common.py; --vocab and --layers change it), fp32, --batch
-requests of --prompt random token ids, each generating --tokens tokens (EOS ignored). Step time is the
+requests of --prompt random token ids, each generating --tokens tokens (EOS ignored; greedy, with
+--repetition-penalty on every request, which the worker applies from each row's history). Step time is the
 driver's wall time per decode token of every sequence while the batch is full (decode-only): with
 overlapping stages one engine step samples one group (half the batch at PP=2), so it is the phase's
 time x batch / tokens; "in flight" is the most steps the executor held submitted and uncollected at
@@ -35,7 +37,7 @@ from common import LLAMA_30M, make_model_dir, workload
 
 
 def run(model_dir: str, tp: int, pp: int, mode: str, batch: int, prompt: int, tokens: int, threads: int,
-        vocab: int) -> dict:
+        vocab: int, repetition_penalty: float = 1.0) -> dict:
     """mode: the config's suffix letters (see the module's doc)."""
     import torch
     from kvrelay.engine.engine_args import EngineArgs
@@ -52,7 +54,8 @@ def run(model_dir: str, tp: int, pp: int, mode: str, batch: int, prompt: int, to
         if "l" in mode:
             engine.runner.sample_on_worker = False
         reqs = workload(batch, (prompt, prompt), (tokens, tokens), vocab)
-        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
+                                repetition_penalty=repetition_penalty)
         for i, (ids, _) in enumerate(reqs):
             engine.add_request(ids, params, str(i))
         decode_s, decode_tokens, generated = 0.0, 0, 0
@@ -97,6 +100,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=LLAMA_30M["vocab_size"],
                     help="vocabulary size (the LM head runs on the last stage: a smaller one balances PP's stages)")
     ap.add_argument("--layers", type=int, default=LLAMA_30M["num_hidden_layers"])
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3, help="runs per config (the median run is shown)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the single process (workers get cores / world size each)")
@@ -113,13 +117,14 @@ def main() -> None:
         for _ in range(args.repeats):  # interleaved: load from other processes hits every config alike
             for tp, pp, mode in pairs:
                 runs[(tp, pp, mode)].append(run(model, tp, pp, mode, args.batch, args.prompt, args.tokens,
-                                                args.threads, args.vocab))
+                                                args.threads, args.vocab, args.repetition_penalty))
         results = []
         for key in pairs:  # the run of median step time, per config
             rs = sorted(runs[key], key=lambda r: r["step_ms"])
             results.append((*key, rs[len(rs) // 2]))
         base = results[0][3]
-        print(f"batch {args.batch}, prompt {args.prompt}, {args.tokens} tokens each; dummy Llama ({args.layers} layers, vocab {args.vocab}) fp32, CPU; "
+        print(f"batch {args.batch}, prompt {args.prompt}, {args.tokens} tokens each, repetition penalty "
+              f"{args.repetition_penalty}; dummy Llama ({args.layers} layers, vocab {args.vocab}) fp32, CPU; "
               f"median of {args.repeats} runs")
         print(f"{'config':>7} {'TP':>3} {'PP':>3} {'overlap':>7} {'outputs':>8} {'in flight':>9} {'step ms':>8} {'x base':>7} "
               f"{'tok/s':>8} {'x base':>7}  communication per step")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from kvrelay.engine.logits_processors import apply as apply_processors
 from kvrelay.engine.outputs import TokenLogprob
@@ -22,22 +23,9 @@ def _adjust(row: torch.Tensor, seq: Sequence, pending: torch.Tensor | None = Non
     the device, sampled by the step still in flight. No op here waits for the device (no unique, no
     bincount, no boolean indexing: their output sizes depend on the data), so such a step overlaps."""
     p = seq.params
-    vocab = row.shape[0]
-    history = seq.token_ids if pending is None else seq.token_ids[:-1]
-    if p.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
-        seen[to_device([t for t in history if 0 <= t < vocab], row.device, torch.int64)] = True
-        if pending is not None:
-            seen[pending] = True
-        penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-        row.copy_(torch.where(seen, penalised, row))
-    if (p.presence_penalty or p.frequency_penalty) and seq.num_generated:
-        counts = torch.zeros(vocab, dtype=torch.float32, device=row.device)
-        out = [t for t in history[seq.prompt_len:] if 0 <= t < vocab]
-        counts.index_add_(0, to_device(out, row.device, torch.int64), torch.ones(len(out), device=row.device))
-        if pending is not None:
-            counts.index_add_(0, pending, torch.ones(1, device=row.device))
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        history = seq.token_ids if pending is None else seq.token_ids[:-1]
+        penalize(row, p.repetition_penalty, p.frequency_penalty, p.presence_penalty, history, seq.prompt_len, pending)
     if seq.logit_bias is not None:
         ids, values = seq.logit_bias
         row[ids] += values.to(row.dtype)
@@ -45,6 +33,35 @@ def _adjust(row: torch.Tensor, seq: Sequence, pending: torch.Tensor | None = Non
         row.index_fill_(0, seq.ban_ids, float("-inf"))
     if seq.processors:
         apply_processors(seq.processors, seq.output_ids, row)
+
+
+def penalize(row: torch.Tensor, repetition: float, frequency: float, presence: float,
+             history: list[int] | np.ndarray, prompt_len: int, pending: torch.Tensor | None = None) -> None:
+    """The repetition (every token seen), frequency and presence (output tokens) penalties on one
+    row in place. history: the sequence's token ids on the host, prompt first, without a token in
+    flight (pending, on the device); a parallel worker passes them as an array."""
+    vocab = row.shape[0]
+    if repetition != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+        seen[_in_vocab(history, vocab, row.device)] = True
+        if pending is not None:
+            seen[pending] = True
+        penalised = torch.where(row > 0, row / repetition, row * repetition)
+        row.copy_(torch.where(seen, penalised, row))
+    if (presence or frequency) and (len(history) > prompt_len or pending is not None):
+        counts = torch.zeros(vocab, dtype=torch.float32, device=row.device)
+        out = _in_vocab(history[prompt_len:], vocab, row.device)
+        counts.index_add_(0, out, torch.ones(len(out), device=row.device))
+        if pending is not None:
+            counts.index_add_(0, pending, torch.ones(1, device=row.device))
+        row -= frequency * counts + presence * (counts > 0).float()
+
+
+def _in_vocab(ids: list[int] | np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
+    """The ids within [0, vocab) as an int64 tensor on the device (a PENDING -1 is left out)."""
+    if isinstance(ids, np.ndarray):
+        return to_device(torch.from_numpy(ids[(ids >= 0) & (ids < vocab)].astype(np.int64)), device)
+    return to_device([t for t in ids if 0 <= t < vocab], device, torch.int64)
 
 
 def to_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
-from kvrelay.engine.parallel.remote_sampling import RemoteLogits, RowSampling, SamplingPlan, sample_on_worker
-from kvrelay.engine.sampler import pick, raw_log_softmax
+from kvrelay.engine.parallel.remote_sampling import (
+    Penalties,
+    RemoteLogits,
+    RowSampling,
+    SamplingPlan,
+    sample_on_worker,
+)
+from kvrelay.engine.sampler import penalize, pick, raw_log_softmax
 
 VOCAB = 300
-ROWS = [  # greedy, tempered, filtered, with and without logprobs (top-k of different sizes)
+_HISTORY = np.array([5, 7, 7, 250, 12, 7, 99, 5, 5], dtype=np.int32)  # a prompt of 4, then 5 outputs
+ROWS = [  # greedy, tempered, filtered, with and without logprobs (top-k of different sizes), penalised
     RowSampling(0.0, 0, 1.0, 0.0, None),
     RowSampling(0.8, 20, 1.0, 0.0, 2),
     RowSampling(1.0, 0, 0.9, 0.0, None),
@@ -18,12 +26,24 @@ ROWS = [  # greedy, tempered, filtered, with and without logprobs (top-k of diff
     RowSampling(0.7, 0, 1.0, 0.05, 5),
     RowSampling(1.2, 0, 1.0, 0.0, None),
     RowSampling(0.0, 0, 1.0, 0.0, 3),
+    RowSampling(0.0, 0, 1.0, 0.0, 2, penalties=Penalties(1.8, 0.0, 0.0, _HISTORY, 4)),
+    RowSampling(0.9, 0, 1.0, 0.0, None, penalties=Penalties(1.0, 1.5, 2.0, _HISTORY, 4)),
 ]
+
+
+def _penalized(logits: torch.Tensor, params: list[RowSampling]) -> torch.Tensor:
+    """The driver's edits: each penalised row as sampler._adjust edits it."""
+    logits = logits.clone()
+    for r, p in enumerate(params):
+        if p.penalties is not None:
+            q = p.penalties
+            penalize(logits[r], q.repetition, q.frequency, q.presence, q.history.tolist(), q.prompt_len)
+    return logits
 
 
 def _whole(logits: torch.Tensor, uniforms: list[float]):
     want = [i for i, p in enumerate(ROWS) if p.logprobs is not None]
-    s = pick(logits.clone(), ROWS, uniforms, raw_log_softmax(logits, want))
+    s = pick(_penalized(logits, ROWS), ROWS, uniforms, raw_log_softmax(logits, want))
     tokens = s.tokens.tolist()
     return tokens, s.logprobs(tokens)
 
@@ -42,17 +62,32 @@ def _finish(reply: RemoteLogits, params: list[RowSampling], host_uniforms: list[
     def on_driver(rest, _seqs, rows):
         ps = [params[j] for j in rows]
         want = [i for i, p in enumerate(ps) if p.logprobs is not None]
-        return pick(rest, ps, host_uniforms, raw_log_softmax(rest, want))
+        return pick(_penalized(rest, ps), ps, host_uniforms, raw_log_softmax(rest, want))
 
     s = reply.sample_rest(list(range(len(params))), on_driver)
     tokens = s.tokens.tolist()
     return tokens, s.logprobs(tokens)
 
 
+def _logits(seed: int) -> torch.Tensor:
+    """Random logits whose penalised rows' best token is one their penalties push down."""
+    logits = torch.randn(len(ROWS), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+    logits[-2, 7] = logits[-2].max() + 1.0  # seen: repetition penalty
+    logits[-1, 5] = logits[-1].max() + 3.0  # output twice: frequency and presence penalties
+    return logits
+
+
+def test_the_penalties_change_what_is_sampled():
+    """Else the tests below could not tell a worker that skipped them."""
+    logits = _logits(3)
+    penalised = _penalized(logits, ROWS)
+    assert penalised[-2].argmax() != logits[-2].argmax() and penalised[-1].argmax() != logits[-1].argmax()
+
+
 def test_split_sampling_equals_sampling_the_whole_batch():
     rng = random.Random(0)
     for trial in range(20):
-        logits = torch.randn(len(ROWS), VOCAB, generator=torch.Generator().manual_seed(trial)) * 3
+        logits = _logits(trial)
         uniforms = [rng.random() for p in ROWS if p.temperature != 0.0]
         want = _whole(logits, uniforms)
         remote = sorted(rng.sample(range(len(ROWS)), rng.randint(1, len(ROWS))))
@@ -65,7 +100,7 @@ def test_keeping_some_rows_equals_sampling_only_those():
     """A late sample drops the rows of sequences that finished meanwhile (async scheduling)."""
     rng = random.Random(1)
     for trial in range(20):
-        logits = torch.randn(len(ROWS), VOCAB, generator=torch.Generator().manual_seed(100 + trial)) * 3
+        logits = _logits(100 + trial)
         uniforms = [rng.random() for p in ROWS if p.temperature != 0.0]
         tokens, lps = _whole(logits, uniforms)
         remote = sorted(rng.sample(range(len(ROWS)), rng.randint(1, len(ROWS))))

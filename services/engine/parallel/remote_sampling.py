@@ -4,12 +4,16 @@ instead of [rows, vocab] fp32 logits.
 A step's logits travel from TP rank 0 of the last stage to the driver through a pipe: 65.7 MB for
 128 rows of a 128k vocabulary, 149 ms per step to encode, send and decode on the 2-core VM, where a
 decode step on an H200 takes 2-13 ms. Most rows need nothing from the driver to be sampled but a
-few numbers: penalties, logits processors and grammars read the sequence's history or matcher state
-on the driver, and stay there. For the other rows the driver sends each row's temperature, top-k,
-top-p, min-p, logprobs count, logit bias and active min_tokens ban, and its uniform, drawn from the
-sequence's own stream as the driver's sampler draws it; the worker edits the row as the driver's
-sampler would (bias, then the ban) and runs the driver's own `sampler.pick`. The reply keeps the
-full logits only of the other rows.
+few numbers: logits processors and grammars read state that lives on the driver, and stay there.
+For the other rows the driver sends each row's temperature, top-k, top-p, min-p, logprobs count,
+penalties with the token ids they read, logit bias and active min_tokens ban, and its uniform,
+drawn from the sequence's own stream as the driver's sampler draws it; the worker edits the row as
+the driver's sampler would (penalties, bias, then the ban) and runs the driver's own
+`sampler.pick`. The reply keeps the full logits only of the other rows.
+
+A row with penalties sends its history (int32, 4 bytes a token: 8 KB at 2k tokens against 512 KB of
+logits at a 128k vocabulary), unless its last token is still in flight (async scheduling's PENDING,
+on no host yet): that row goes to the driver.
 
 Only plain steps are planned: speculative verification (every proposed token's logits) and prompt
 logprobs keep the whole logits.
@@ -20,8 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
-from kvrelay.engine.sampler import Sampled, pick, raw_log_softmax, to_device
+from kvrelay.engine.sampler import Sampled, penalize, pick, raw_log_softmax, to_device
 from kvrelay.engine.sequence import Sequence
 
 
@@ -35,6 +40,17 @@ class RowSampling(NamedTuple):
     logprobs: int | None
     bias: tuple[list[int], list[float]] | None = None  # logit_bias: token ids, values
     ban: list[int] | None = None  # min_tokens not reached yet: the stop ids, banned
+    penalties: Penalties | None = None
+
+
+class Penalties(NamedTuple):
+    """A row's penalties and what they read (sampler.penalize)."""
+
+    repetition: float
+    frequency: float
+    presence: float
+    history: np.ndarray  # int32: the sequence's token ids, prompt first
+    prompt_len: int
 
 
 @dataclass
@@ -55,16 +71,22 @@ def plan(seqs: list[Sequence], sample_idx: list[int]) -> SamplingPlan | None:
     for j, i in enumerate(sample_idx):
         seq = seqs[i]
         p = seq.params
-        if (seq.grammar is not None or seq.processors or p.repetition_penalty != 1.0 or p.presence_penalty
-                or p.frequency_penalty):
-            continue  # reads the history or the matcher: sampled on the driver
+        if seq.grammar is not None or seq.processors:
+            continue  # reads the matcher or the plugins' state: sampled on the driver
+        penalties = None
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            history = np.array(seq.token_ids, dtype=np.int32)
+            if history.size and history[-1] < 0:
+                continue  # its last token is still in flight (async scheduling): the driver has it
+            penalties = Penalties(p.repetition_penalty, p.frequency_penalty, p.presence_penalty, history,
+                                  seq.prompt_len)
         bias = ban = None
         if seq.logit_bias is not None:
             bias = (seq.logit_bias[0].tolist(), seq.logit_bias[1].tolist())
         if seq.num_generated < p.min_tokens and seq.ban_ids is not None:
             ban = seq.ban_ids.tolist()
         rows.append(j)
-        params.append(RowSampling(p.temperature, p.top_k, p.top_p, p.min_p, p.logprobs, bias, ban))
+        params.append(RowSampling(p.temperature, p.top_k, p.top_p, p.min_p, p.logprobs, bias, ban, penalties))
         if p.temperature != 0.0:
             uniforms.append(seq.rng.random())
     return SamplingPlan(rows, params, uniforms) if rows else None
@@ -79,6 +101,9 @@ def sample_on_worker(logits: torch.Tensor, plan: SamplingPlan | None):
     want = [i for i, p in enumerate(plan.params) if p.logprobs is not None]
     raw = raw_log_softmax(mine, want)  # of the logits as the model gave them, as the driver's sampler
     for r, p in enumerate(plan.params):  # sampler._adjust's edits, in its order
+        if p.penalties is not None:
+            q = p.penalties
+            penalize(mine[r], q.repetition, q.frequency, q.presence, q.history, q.prompt_len)
         if p.bias is not None:
             mine[r][to_device(p.bias[0], mine.device, torch.int64)] += to_device(
                 p.bias[1], mine.device, torch.float32).to(mine.dtype)
