@@ -7,14 +7,8 @@ import random
 
 import numpy as np
 import torch
-from kvrelay.engine.parallel.remote_sampling import (
-    Penalties,
-    RemoteLogits,
-    RowSampling,
-    SamplingPlan,
-    sample_on_worker,
-)
-from kvrelay.engine.sampler import penalize, pick, raw_log_softmax
+from kvrelay.engine.parallel.remote_sampling import RemoteLogits, RowSampling, SamplingPlan, sample_on_worker
+from kvrelay.engine.sampler import Penalties, penalize, pick, raw_log_softmax
 
 VOCAB = 300
 _HISTORY = np.array([5, 7, 7, 250, 12, 7, 99, 5, 5], dtype=np.int32)  # a prompt of 4, then 5 outputs
@@ -34,10 +28,8 @@ ROWS = [  # greedy, tempered, filtered, with and without logprobs (top-k of diff
 def _penalized(logits: torch.Tensor, params: list[RowSampling]) -> torch.Tensor:
     """The driver's edits: each penalised row as sampler._adjust edits it."""
     logits = logits.clone()
-    for r, p in enumerate(params):
-        if p.penalties is not None:
-            q = p.penalties
-            penalize(logits[r], q.repetition, q.frequency, q.presence, q.history.tolist(), q.prompt_len)
+    rows = [r for r, p in enumerate(params) if p.penalties is not None]
+    penalize(logits, rows, [params[r].penalties._replace(history=params[r].penalties.history.tolist()) for r in rows])
     return logits
 
 

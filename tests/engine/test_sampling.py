@@ -7,7 +7,7 @@ import random
 import torch
 from helpers import PROMPTS, make_engine, run_engine
 from kvrelay.engine.async_scheduling import PENDING
-from kvrelay.engine.sampler import _adjust, _draw, sample
+from kvrelay.engine.sampler import Penalties, _draw, penalize, penalties_of, sample
 from kvrelay.engine.sampling_params import SamplingParams
 
 from kvrelay.models import BUNDLED_MODEL
@@ -227,9 +227,50 @@ def test_penalties_count_a_token_still_on_the_device_as_one_on_the_host():
     fresh = next(t for t in range(300, 512) if t not in host.token_ids)  # in neither prompt nor outputs
     host.token_ids += [301, 302, 301, fresh]
     ahead.token_ids += [301, 302, 301, PENDING]
-    logits = torch.randn(512, generator=torch.Generator().manual_seed(0)) * 3
+    logits = torch.randn(1, 512, generator=torch.Generator().manual_seed(0)) * 3
     want, got = logits.clone(), logits.clone()
-    _adjust(want, host)
-    _adjust(got, ahead, torch.tensor([fresh]))
+    penalize(want, [0], [penalties_of(host)])
+    penalize(got, [0], [penalties_of(ahead)], [torch.tensor([fresh])])
     assert torch.equal(got, want)
-    assert want[fresh] != logits[fresh]  # the in-flight token was penalised
+    assert want[0, fresh] != logits[0, fresh]  # the in-flight token was penalised
+
+
+def _reference_penalties(row: torch.Tensor, q: Penalties) -> torch.Tensor:
+    """The penalties as their definitions state them (transformers' and OpenAI's), one row at a time."""
+    row = row.clone()
+    seen = sorted({t for t in q.history if 0 <= t < row.shape[0]})
+    if q.repetition != 1.0:
+        v = row[seen]
+        row[seen] = torch.where(v > 0, v / q.repetition, v * q.repetition)
+    for t in set(q.history[q.prompt_len:]):
+        n = list(q.history[q.prompt_len:]).count(t)
+        row[t] -= q.frequency * n + q.presence
+    return row
+
+
+def test_penalties_of_a_batch_are_each_row_alone_and_their_definition():
+    """Penalised rows among plain ones, in any order, each with its own penalties and history (prompt
+    tokens only, repeats, no output yet): every row is exactly what penalising it alone gives (so a
+    seeded row does not depend on its batch), and what the definitions give; plain rows are untouched."""
+    rng = random.Random(0)
+    vocab = 400
+    for trial in range(10):
+        n = 9
+        logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(trial)) * 3
+        rows = sorted(rng.sample(range(n), 6), key=lambda _: rng.random())
+        qs = []
+        for _ in rows:
+            prompt_len = rng.randint(1, 20)
+            history = [rng.randrange(0, 60) for _ in range(prompt_len + rng.choice((0, 1, 15)))]
+            qs.append(Penalties(rng.choice((1.0, 1.3, 2.0)), rng.choice((0.0, 0.5, 1.7)), rng.choice((0.0, 0.9)),
+                                history, prompt_len))
+        got = logits.clone()
+        penalize(got, rows, qs)
+        for r in range(n):
+            if r not in rows:
+                assert torch.equal(got[r], logits[r])
+        for r, q in zip(rows, qs):
+            alone = logits[r:r + 1].clone()
+            penalize(alone, [0], [q])
+            assert torch.equal(got[r], alone[0]), (trial, r)
+            torch.testing.assert_close(got[r], _reference_penalties(logits[r], q), rtol=1e-6, atol=1e-6)

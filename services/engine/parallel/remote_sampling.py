@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from kvrelay.engine.sampler import Sampled, penalize, pick, raw_log_softmax, to_device
+from kvrelay.engine.sampler import Penalties, Sampled, penalize, pick, raw_log_softmax, to_device
 from kvrelay.engine.sequence import Sequence
 
 
@@ -40,17 +40,7 @@ class RowSampling(NamedTuple):
     logprobs: int | None
     bias: tuple[list[int], list[float]] | None = None  # logit_bias: token ids, values
     ban: list[int] | None = None  # min_tokens not reached yet: the stop ids, banned
-    penalties: Penalties | None = None
-
-
-class Penalties(NamedTuple):
-    """A row's penalties and what they read (sampler.penalize)."""
-
-    repetition: float
-    frequency: float
-    presence: float
-    history: np.ndarray  # int32: the sequence's token ids, prompt first
-    prompt_len: int
+    penalties: Penalties | None = None  # its history an int32 array
 
 
 @dataclass
@@ -100,10 +90,10 @@ def sample_on_worker(logits: torch.Tensor, plan: SamplingPlan | None):
     mine = logits if every else logits.index_select(0, to_device(plan.rows, logits.device, torch.int64))
     want = [i for i, p in enumerate(plan.params) if p.logprobs is not None]
     raw = raw_log_softmax(mine, want)  # of the logits as the model gave them, as the driver's sampler
-    for r, p in enumerate(plan.params):  # sampler._adjust's edits, in its order
-        if p.penalties is not None:
-            q = p.penalties
-            penalize(mine[r], q.repetition, q.frequency, q.presence, q.history, q.prompt_len)
+    penalised = [r for r, p in enumerate(plan.params) if p.penalties is not None]
+    if penalised:  # then sampler._adjust's edits, in its order
+        penalize(mine, penalised, [plan.params[r].penalties for r in penalised])
+    for r, p in enumerate(plan.params):
         if p.bias is not None:
             mine[r][to_device(p.bias[0], mine.device, torch.int64)] += to_device(
                 p.bias[1], mine.device, torch.float32).to(mine.dtype)
