@@ -25,6 +25,8 @@ Runs on a bare GPU machine with torch, triton and transformers: kvrelay is mappe
 - parallel_step: the decode step through one worker process (--distributed-executor-backend mp) at
   the 1B shapes, sampling on the worker against every row's logits sent to the driver
   (benchmarks/gpu_parallel_step.py);
+- penalties: repetition/frequency/presence penalties of 128 rows of a 128k vocabulary, the batched
+  sampler.penalize against the per-row code it replaced (benchmarks/penalties.py);
 - parallel: stories260K greedy through the tensor/pipeline worker path (torch.distributed, NCCL) at
   world size 1 (--distributed-executor-backend mp, also with --async-scheduling), and at TP=2 and
   PP=2 when there are 2+ GPUs, against the in-process engine.
@@ -53,6 +55,7 @@ from gpu_moe import section_moe
 from gpu_parallel_step import section_parallel_step
 from gpu_spec import section_spec
 from package_map import ROOT, map_kvrelay
+from penalties import measure as measure_penalties
 
 LLAMA_1B = {  # Llama-3.2-1B's shapes
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
@@ -364,6 +367,15 @@ def section_fp8_engine(rep: Report, bf16_engine, model_dir: Path, reqs, device: 
     del engine
 
 
+def section_penalties(rep: Report, device: str, smoke: bool) -> None:
+    nrows, vocab, history, repeats = (4, 512, 32, 2) if smoke else (128, 128256, 512, 20)
+    for m in measure_penalties(device, nrows, vocab, history, repeats):
+        rep.add(f"penalties_{m['kind'].split()[0]}", m,
+                f"penalties, {m['kind']}, {nrows} rows of {vocab}: per row {m['per_row_ms']:.2f} ms "
+                f"({m['per_row_ops']} ops), batched {m['batched_ms']:.2f} ms ({m['batched_ops']} ops), "
+                f"x{m['batched_ms'] / m['per_row_ms']:.3f}")
+
+
 # ---- main -------------------------------------------------------------------------------------
 
 
@@ -371,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: every section runs, no timing")
     p.add_argument("--only", default="parity,step,throughput,fp8,spec,handoff,handoff_procs,parallel_step,moe,parallel,"
-                                        "kernels")
+                                        "kernels,penalties")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline (~25 s on an H200)")
     p.add_argument("--handoff-repeats", type=int, default=None,
@@ -450,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         run("parallel", section_parallel, rep, device, smoke)
     if "kernels" in sections:
         run("kernels", section_kernels, rep, smoke)
+    if "penalties" in sections:
+        run("penalties", section_penalties, rep, device, smoke)
 
     print("\n# summary")
     for line in rep.lines:

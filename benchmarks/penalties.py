@@ -61,6 +61,36 @@ def time_it(fn, logits, rows, penalties, repeats: int, sync) -> tuple[float, int
     return statistics.median(times), ops
 
 
+KINDS = {"repetition 1.1": (1.1, 0.0, 0.0), "frequency 0.5 + presence 0.3": (1.0, 0.5, 0.3),
+         "all three": (1.1, 0.5, 0.3)}
+
+
+def measure(device: str, nrows: int, vocab: int, history: int, repeats: int) -> list[dict]:
+    """Per kind of penalty: both codes' ms and ops per step on [nrows, vocab] logits, after checking
+    that they give the same logits."""
+    import torch
+    from kvrelay.engine.sampler import Penalties, penalize
+
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(nrows, vocab, generator=gen) * 3).to(dev)
+    histories = [torch.randint(0, vocab, (history,), generator=gen).tolist() for _ in range(nrows)]
+    rows = list(range(nrows))
+    results = []
+    for name, (r, f, p) in KINDS.items():
+        qs = [Penalties(r, f, p, h, history * 3 // 4) for h in histories]
+        base_ms, base_ops = time_it(per_row, logits, rows, qs, repeats, sync)
+        new_ms, new_ops = time_it(penalize, logits, rows, qs, repeats, sync)
+        a, b = logits.clone(), logits.clone()
+        per_row(a, rows, qs)
+        penalize(b, rows, qs)
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)  # the same penalties
+        results.append({"kind": name, "rows": nrows, "vocab": vocab, "per_row_ms": base_ms, "batched_ms": new_ms,
+                        "per_row_ops": base_ops, "batched_ops": new_ops})
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="64,128")
@@ -72,34 +102,17 @@ def main() -> None:
     args = ap.parse_args()
     map_kvrelay()
     import torch
-    from kvrelay.engine.sampler import Penalties, penalize
 
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    gen = torch.Generator().manual_seed(0)
-    kinds = {"repetition 1.1": (1.1, 0.0, 0.0), "frequency 0.5 + presence 0.3": (1.0, 0.5, 0.3),
-             "all three": (1.1, 0.5, 0.3)}
     print(f"{args.device}, {args.threads} thread(s), {args.history} tokens of history a row (a quarter output); "
           f"median of {args.repeats}")
     print(f"{'penalties':>28} {'rows':>5} {'vocab':>7} {'per row ms':>11} {'batched ms':>11} {'x':>6} "
           f"{'ops per row-by-row':>19} {'ops batched':>12}")
     for vocab in [int(v) for v in args.vocab.split(",")]:
         for nrows in [int(r) for r in args.rows.split(",")]:
-            logits = (torch.randn(nrows, vocab, generator=gen) * 3).to(device)
-            prompt_len = args.history * 3 // 4
-            histories = [torch.randint(0, vocab, (args.history,), generator=gen).tolist() for _ in range(nrows)]
-            rows = list(range(nrows))
-            for name, (r, f, p) in kinds.items():
-                qs = [Penalties(r, f, p, h, prompt_len) for h in histories]
-                base_ms, base_ops = time_it(per_row, logits, rows, qs, args.repeats, sync)
-                new_ms, new_ops = time_it(penalize, logits, rows, qs, args.repeats, sync)
-                a, b = logits.clone(), logits.clone()
-                per_row(a, rows, qs)
-                penalize(b, rows, qs)
-                torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)  # the same penalties
-                print(f"{name:>28} {nrows:>5} {vocab:>7} {base_ms:>11.2f} {new_ms:>11.2f} {new_ms / base_ms:>6.3f} "
-                      f"{base_ops:>19} {new_ops:>12}")
+            for m in measure(args.device, nrows, vocab, args.history, args.repeats):
+                print(f"{m['kind']:>28} {nrows:>5} {vocab:>7} {m['per_row_ms']:>11.2f} {m['batched_ms']:>11.2f} "
+                      f"{m['batched_ms'] / m['per_row_ms']:>6.3f} {m['per_row_ops']:>19} {m['batched_ops']:>12}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 #
 #   bash scripts/device_check.sh 1   # the engine's CUDA-only tests, then parity, step, throughput, fp8, kernels
 #   bash scripts/device_check.sh 2   # the CUDA IPC plane's tests, then handoff (in one process and as two
-#                                    # worker processes: CUDA IPC), spec, parallel_step, moe, parallel
+#                                    # worker processes: CUDA IPC), spec, parallel_step, moe, parallel, penalties
 #
 # Logs and figures go to $OUT (default /tmp/kvrelay-device): pytest.log, engine.log, gpu_engine.json.
 # tests/engine/test_gpu_engine_script.py rehearses the engine part on CPU without the packages the
@@ -43,7 +43,7 @@ case "${1:-1}" in
     # The CUDA IPC plane end to end (two worker processes for the kill test), and the copy stream.
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/workers/test_pd_cuda_ipc.py 2>&1 \
         | tee "$OUT/pytest.log"
-    timeout 420 python3 benchmarks/gpu_engine.py --no-hf --only spec,handoff,handoff_procs,parallel_step,moe,parallel 2>&1 \
+    timeout 420 python3 benchmarks/gpu_engine.py --no-hf --only spec,handoff,handoff_procs,parallel_step,moe,parallel,penalties 2>&1 \
         | tee "$OUT/engine.log"
     ;;
 *)
