@@ -32,12 +32,13 @@ def per_row(logits, rows, penalties) -> None:
         row = logits[i]
         if q.repetition != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
-            seen[torch.tensor([t for t in q.history if 0 <= t < vocab], device=row.device)] = True
+            history = q.prompt.tolist() + list(q.output)
+            seen[torch.tensor([t for t in history if 0 <= t < vocab], device=row.device)] = True
             penalised = torch.where(row > 0, row / q.repetition, row * q.repetition)
             row.copy_(torch.where(seen, penalised, row))
         if q.presence or q.frequency:
             counts = torch.zeros(vocab, dtype=torch.float32, device=row.device)
-            out = [t for t in q.history[q.prompt_len:] if 0 <= t < vocab]
+            out = [t for t in q.output if 0 <= t < vocab]
             counts.index_add_(0, torch.tensor(out, device=row.device), torch.ones(len(out), device=row.device))
             row -= q.frequency * counts + q.presence * (counts > 0).float()
 
@@ -68,6 +69,7 @@ KINDS = {"repetition 1.1": (1.1, 0.0, 0.0), "frequency 0.5 + presence 0.3": (1.0
 def measure(device: str, nrows: int, vocab: int, history: int, repeats: int) -> list[dict]:
     """Per kind of penalty: both codes' ms and ops per step on [nrows, vocab] logits, after checking
     that they give the same logits."""
+    import numpy as np
     import torch
     from kvrelay.engine.sampler import Penalties, penalize
 
@@ -79,7 +81,8 @@ def measure(device: str, nrows: int, vocab: int, history: int, repeats: int) -> 
     rows = list(range(nrows))
     results = []
     for name, (r, f, p) in KINDS.items():
-        qs = [Penalties(r, f, p, h, history * 3 // 4) for h in histories]
+        cut = history * 3 // 4
+        qs = [Penalties(r, f, p, np.array(h[:cut], dtype=np.int32), h[cut:]) for h in histories]
         base_ms, base_ops = time_it(per_row, logits, rows, qs, repeats, sync)
         new_ms, new_ops = time_it(penalize, logits, rows, qs, repeats, sync)
         a, b = logits.clone(), logits.clone()

@@ -19,21 +19,24 @@ from kvrelay.engine.structured import mask as grammar_mask
 
 class Penalties(NamedTuple):
     """One row's repetition (every token seen), frequency and presence (output tokens) penalties and
-    the token ids they read: on the host, prompt first; a token still in flight (PENDING, -1) is
-    left out, as is any id outside the vocabulary."""
+    the token ids they read, on the host; a token still in flight (PENDING, -1) is left out, as is
+    any id outside the vocabulary."""
 
     repetition: float
     frequency: float
     presence: float
-    history: list[int] | np.ndarray  # a parallel worker gets them as an int32 array
-    prompt_len: int
+    prompt: np.ndarray  # int32, made once per sequence (Sequence.prompt_array)
+    output: list[int] | np.ndarray  # a parallel worker gets them as an int32 array
 
 
 def penalties_of(seq: Sequence) -> Penalties | None:
     p = seq.params
     if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty:
         return None
-    return Penalties(p.repetition_penalty, p.frequency_penalty, p.presence_penalty, seq.token_ids, seq.prompt_len)
+    if seq.prompt_array is None:  # the prompt never changes: converted once, not at every step
+        seq.prompt_array = np.array(seq.token_ids[: seq.prompt_len], dtype=np.int32)
+    return Penalties(p.repetition_penalty, p.frequency_penalty, p.presence_penalty, seq.prompt_array,
+                     seq.token_ids[seq.prompt_len :])
 
 
 def penalize(logits: torch.Tensor, rows: list[int], penalties: list[Penalties],
@@ -55,16 +58,16 @@ def penalize(logits: torch.Tensor, rows: list[int], penalties: list[Penalties],
     # writing the same value again (each new value depends on its old one and its count alone).
     rep = [k for k, q in enumerate(penalties) if q.repetition != 1.0]
     if rep:
-        local, owner = _entries([penalties[k].history for k in rep], [pending[k] for k in rep], vocab, device)
+        local, owner = _entries([(penalties[k].prompt, penalties[k].output) for k in rep], [pending[k] for k in rep],
+                                vocab, device)
         at = local + _per_row([(rows[k] - j) * vocab for j, k in enumerate(rep)], owner, torch.int64)
         seen = flat_logits[at]
         r = _per_row([penalties[k].repetition for k in rep], owner, seen.dtype)
         flat_logits[at] = torch.where(seen > 0, seen / r, seen * r)
     out = [k for k, q in enumerate(penalties) if (q.presence or q.frequency)
-           and (len(q.history) > q.prompt_len or pending[k] is not None)]
+           and (len(q.output) or pending[k] is not None)]
     if out:
-        local, owner = _entries([penalties[k].history[penalties[k].prompt_len:] for k in out],
-                                [pending[k] for k in out], vocab, device)
+        local, owner = _entries([(penalties[k].output,) for k in out], [pending[k] for k in out], vocab, device)
         n = _occurrences(local)
         at = local + _per_row([(rows[k] - j) * vocab for j, k in enumerate(out)], owner, torch.int64)
         f = _per_row([penalties[k].frequency for k in out], owner, torch.float32)
@@ -72,13 +75,14 @@ def penalize(logits: torch.Tensor, rows: list[int], penalties: list[Penalties],
         flat_logits[at] = flat_logits[at] - (f * n + p).to(logits.dtype)
 
 
-def _entries(histories: list, pending: list[torch.Tensor | None], vocab: int,
+def _entries(rows_parts: list, pending: list[torch.Tensor | None], vocab: int,
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices into a [len(histories), vocab] tensor viewed flat: each history's ids in [0, vocab)
-    in its row k, then each pending token in its row; and each index's k (int64, on the device)."""
+    """Indices into a [len(rows_parts), vocab] tensor viewed flat: the ids in [0, vocab) of row k's
+    parts (arrays or lists) in row k, then each pending token in its row; and each index's k (int64,
+    on the device)."""
     ids, owner = [], []
-    for k, h in enumerate(histories):
-        a = h if isinstance(h, np.ndarray) else np.array(h, dtype=np.int64)
+    for k, parts in enumerate(rows_parts):
+        a = np.concatenate([h if isinstance(h, np.ndarray) else np.array(h, dtype=np.int64) for h in parts])
         a = a[(a >= 0) & (a < vocab)].astype(np.int64)
         ids.append(a + k * vocab)
         owner.append(np.full(a.shape[0], k, dtype=np.int64))

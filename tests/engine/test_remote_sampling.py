@@ -11,7 +11,7 @@ from kvrelay.engine.parallel.remote_sampling import RemoteLogits, RowSampling, S
 from kvrelay.engine.sampler import Penalties, penalize, pick, raw_log_softmax
 
 VOCAB = 300
-_HISTORY = np.array([5, 7, 7, 250, 12, 7, 99, 5, 5], dtype=np.int32)  # a prompt of 4, then 5 outputs
+_PROMPT, _OUTPUT = np.array([5, 7, 7, 250], dtype=np.int32), np.array([12, 7, 99, 5, 5], dtype=np.int32)
 ROWS = [  # greedy, tempered, filtered, with and without logprobs (top-k of different sizes), penalised
     RowSampling(0.0, 0, 1.0, 0.0, None),
     RowSampling(0.8, 20, 1.0, 0.0, 2),
@@ -20,8 +20,8 @@ ROWS = [  # greedy, tempered, filtered, with and without logprobs (top-k of diff
     RowSampling(0.7, 0, 1.0, 0.05, 5),
     RowSampling(1.2, 0, 1.0, 0.0, None),
     RowSampling(0.0, 0, 1.0, 0.0, 3),
-    RowSampling(0.0, 0, 1.0, 0.0, 2, penalties=Penalties(1.8, 0.0, 0.0, _HISTORY, 4)),
-    RowSampling(0.9, 0, 1.0, 0.0, None, penalties=Penalties(1.0, 1.5, 2.0, _HISTORY, 4)),
+    RowSampling(0.0, 0, 1.0, 0.0, 2, penalties=Penalties(1.8, 0.0, 0.0, _PROMPT, _OUTPUT)),
+    RowSampling(0.9, 0, 1.0, 0.0, None, penalties=Penalties(1.0, 1.5, 2.0, _PROMPT, _OUTPUT)),
 ]
 
 
@@ -29,7 +29,7 @@ def _penalized(logits: torch.Tensor, params: list[RowSampling]) -> torch.Tensor:
     """The driver's edits: each penalised row as sampler._adjust edits it."""
     logits = logits.clone()
     rows = [r for r, p in enumerate(params) if p.penalties is not None]
-    penalize(logits, rows, [params[r].penalties._replace(history=params[r].penalties.history.tolist()) for r in rows])
+    penalize(logits, rows, [params[r].penalties._replace(output=params[r].penalties.output.tolist()) for r in rows])
     return logits
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 from helpers import PROMPTS, make_engine, run_engine
 from kvrelay.engine.async_scheduling import PENDING
@@ -238,12 +239,12 @@ def test_penalties_count_a_token_still_on_the_device_as_one_on_the_host():
 def _reference_penalties(row: torch.Tensor, q: Penalties) -> torch.Tensor:
     """The penalties as their definitions state them (transformers' and OpenAI's), one row at a time."""
     row = row.clone()
-    seen = sorted({t for t in q.history if 0 <= t < row.shape[0]})
+    seen = sorted({t for t in q.prompt.tolist() + list(q.output) if 0 <= t < row.shape[0]})
     if q.repetition != 1.0:
         v = row[seen]
         row[seen] = torch.where(v > 0, v / q.repetition, v * q.repetition)
-    for t in set(q.history[q.prompt_len:]):
-        n = list(q.history[q.prompt_len:]).count(t)
+    for t in set(q.output):
+        n = list(q.output).count(t)
         row[t] -= q.frequency * n + q.presence
     return row
 
@@ -261,9 +262,10 @@ def test_penalties_of_a_batch_are_each_row_alone_and_their_definition():
         qs = []
         for _ in rows:
             prompt_len = rng.randint(1, 20)
-            history = [rng.randrange(0, 60) for _ in range(prompt_len + rng.choice((0, 1, 15)))]
+            prompt = np.array([rng.randrange(0, 60) for _ in range(prompt_len)], dtype=np.int32)
+            output = [rng.randrange(0, 60) for _ in range(rng.choice((0, 1, 15)))]
             qs.append(Penalties(rng.choice((1.0, 1.3, 2.0)), rng.choice((0.0, 0.5, 1.7)), rng.choice((0.0, 0.9)),
-                                history, prompt_len))
+                                prompt, output))
         got = logits.clone()
         penalize(got, rows, qs)
         for r in range(n):

@@ -11,9 +11,9 @@ drawn from the sequence's own stream as the driver's sampler draws it; the worke
 the driver's sampler would (penalties, bias, then the ban) and runs the driver's own
 `sampler.pick`. The reply keeps the full logits only of the other rows.
 
-A row with penalties sends its history (int32, 4 bytes a token: 8 KB at 2k tokens against 512 KB of
-logits at a 128k vocabulary), unless its last token is still in flight (async scheduling's PENDING,
-on no host yet): that row goes to the driver.
+A row with penalties sends its token ids (int32, 4 bytes a token: 8 KB at 2k tokens against 512 KB
+of logits at a 128k vocabulary), unless its last token is still in flight (async scheduling's
+PENDING, on no host yet): that row goes to the driver.
 
 Only plain steps are planned: speculative verification (every proposed token's logits) and prompt
 logprobs keep the whole logits.
@@ -26,7 +26,15 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from kvrelay.engine.sampler import Penalties, Sampled, penalize, pick, raw_log_softmax, to_device
+from kvrelay.engine.sampler import (
+    Penalties,
+    Sampled,
+    penalize,
+    penalties_of,
+    pick,
+    raw_log_softmax,
+    to_device,
+)
 from kvrelay.engine.sequence import Sequence
 
 
@@ -40,7 +48,7 @@ class RowSampling(NamedTuple):
     logprobs: int | None
     bias: tuple[list[int], list[float]] | None = None  # logit_bias: token ids, values
     ban: list[int] | None = None  # min_tokens not reached yet: the stop ids, banned
-    penalties: Penalties | None = None  # its history an int32 array
+    penalties: Penalties | None = None  # its output an int32 array
 
 
 @dataclass
@@ -63,13 +71,11 @@ def plan(seqs: list[Sequence], sample_idx: list[int]) -> SamplingPlan | None:
         p = seq.params
         if seq.grammar is not None or seq.processors:
             continue  # reads the matcher or the plugins' state: sampled on the driver
-        penalties = None
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            history = np.array(seq.token_ids, dtype=np.int32)
-            if history.size and history[-1] < 0:
+        penalties = penalties_of(seq)
+        if penalties is not None:
+            if penalties.output and penalties.output[-1] < 0:
                 continue  # its last token is still in flight (async scheduling): the driver has it
-            penalties = Penalties(p.repetition_penalty, p.frequency_penalty, p.presence_penalty, history,
-                                  seq.prompt_len)
+            penalties = penalties._replace(output=np.array(penalties.output, dtype=np.int32))
         bias = ban = None
         if seq.logit_bias is not None:
             bias = (seq.logit_bias[0].tolist(), seq.logit_bias[1].tolist())
