@@ -64,7 +64,7 @@ class Sequence:
     processors: list = field(default_factory=list)
     # Structured output: the grammar's matcher (kvrelay.engine.structured.mask.GrammarState).
     grammar: object | None = None
-    # The prompt's ids as an int32 array, made once for the penalties (sampler.penalties_of).
+    # The prompt's distinct ids as a sorted int32 array, made once for the penalties (sampler.penalties_of).
     prompt_array: np.ndarray | None = None
     # Prompt logprobs (sample 0 only): entry p is prompt token p + 1's, filled as chunks compute;
     # handed out with the first output, then None.
