@@ -268,6 +268,9 @@ def test_penalties_of_a_batch_are_each_row_alone_and_their_definition():
                                 prompt, output))
         got = logits.clone()
         penalize(got, rows, qs)
+        strided = logits.t().contiguous().t()  # the same values, column-major: not viewable flat
+        penalize(strided, rows, qs)
+        assert not strided.is_contiguous() and torch.equal(strided, got)
         for r in range(n):
             if r not in rows:
                 assert torch.equal(got[r], logits[r])
