@@ -12,8 +12,9 @@ the driver's sampler would (penalties, bias, then the ban) and runs the driver's
 `sampler.pick`. The reply keeps the full logits only of the other rows.
 
 A row with penalties sends its token ids (int32, 4 bytes a token: 8 KB at 2k tokens against 512 KB
-of logits at a 128k vocabulary), unless its last token is still in flight (async scheduling's
-PENDING, on no host yet): that row goes to the driver.
+of logits at a 128k vocabulary). Under async scheduling its last token may still be PENDING in
+token_ids; with the executor the previous step's samples are on the driver already, and the plan
+takes it from there (the late sample on the driver would read the same token).
 
 Only plain steps are planned: speculative verification (every proposed token's logits) and prompt
 logprobs keep the whole logits.
@@ -61,10 +62,12 @@ class SamplingPlan:
     uniforms: list[float]
 
 
-def plan(seqs: list[Sequence], sample_idx: list[int]) -> SamplingPlan | None:
+def plan(seqs: list[Sequence], sample_idx: list[int], in_flight: dict[int, int] | None = None) -> SamplingPlan | None:
     """The plan of a step whose sampling rows are seqs[i] for i in sample_idx, one row each; draws
     the planned rows' uniforms now (each sequence draws one per token, in order, wherever it is
-    sampled). None when no row can be sampled on the worker."""
+    sampled). in_flight: seqs[i]'s last token where it is PENDING in token_ids but already on the
+    driver (async scheduling under the executor, whose samples come back to the host). None when no
+    row can be sampled on the worker."""
     rows, params, uniforms = [], [], []
     for j, i in enumerate(sample_idx):
         seq = seqs[i]
@@ -73,9 +76,12 @@ def plan(seqs: list[Sequence], sample_idx: list[int]) -> SamplingPlan | None:
             continue  # reads the matcher or the plugins' state: sampled on the driver
         penalties = penalties_of(seq)
         if penalties is not None:
-            if penalties.output and penalties.output[-1] < 0:
-                continue  # its last token is still in flight (async scheduling): the driver has it
-            penalties = penalties._replace(output=np.array(penalties.output, dtype=np.int32))
+            output = penalties.output
+            if output and output[-1] < 0:  # PENDING: its last token is still in flight
+                if in_flight is None or i not in in_flight:
+                    continue  # on no host yet: the driver samples it once it has it
+                output = output[:-1] + [in_flight[i]]
+            penalties = penalties._replace(output=np.array(output, dtype=np.int32))
         bias = ban = None
         if seq.logit_bias is not None:
             bias = (seq.logit_bias[0].tolist(), seq.logit_bias[1].tolist())
