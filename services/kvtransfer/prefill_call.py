@@ -95,13 +95,13 @@ async def watch_stream(reader: StreamReader, h: DoorbellHandoff) -> None:
             h.resolve(PrefillFailedError(f"unexpected {rx.kind()!r} message on a doorbell hand-off's stream"))
 
 
-async def abort_call(call, reader: StreamReader, reason: str, grace_s: float) -> bool:
+async def abort_call(call, reason: str, grace_s: float) -> bool:
     """Explicit abort towards the prefill worker, then drop the stream (whatever state it is in).
-    No other task may be writing to the call.
+    No other task may be writing to the call, and its StreamReader must be discarding (else the
+    call's status would wait for messages nobody reads).
 
     Returns whether the call had ended by itself (the prefill worker's handler returned, or its
     process or connection is gone) before this side had to cancel it."""
-    reader.discard()
     # Give the prefill worker grace_s to end the call itself after the abort message; the stream
     # may already be gone, and then the cancel below is all there is to do.
     ended = call.done()

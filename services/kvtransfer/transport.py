@@ -246,7 +246,7 @@ class GrpcKVTransport(KVTransport):
         elif not attempt.started:  # nothing went out: no prefill worker knows of it
             call.cancel()
         else:
-            writer_stopped = await abort_call(call, reader, "decode side gave up the hand-off", self.abort_grace_s)
+            writer_stopped = await abort_call(call, "decode side gave up the hand-off", self.abort_grace_s)
             tasks = [t for t in (inner, attempt.watcher, reader.task) if t is not None]
             for t in tasks:
                 t.cancel()
@@ -296,8 +296,7 @@ class GrpcKVTransport(KVTransport):
 
     async def _run(self, call, reader: StreamReader, start: kv_pb2.PrefillStart, verifier: ChunkVerifier,
                    request: HandoffRequest, dest: KVDestination, attempt: _Attempt) -> HandoffResult:
-        region = attempt.region
-        num_blocks = _num_blocks(self.layout, request)
+        region, num_blocks = attempt.region, verifier.num_blocks
         if dest.reserved is not None:  # the prefill computes meanwhile; its messages wait in the stream
             await dest.reserved()
         rx = await reader.next()

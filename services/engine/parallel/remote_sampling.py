@@ -62,12 +62,13 @@ class SamplingPlan:
     uniforms: list[float]
 
 
-def plan(seqs: list[Sequence], sample_idx: list[int], in_flight: dict[int, int] | None = None) -> SamplingPlan | None:
+def plan(seqs: list[Sequence], sample_idx: list[int], token_src: dict[int, int] | None = None,
+         prev_tokens: torch.Tensor | None = None) -> SamplingPlan | None:
     """The plan of a step whose sampling rows are seqs[i] for i in sample_idx, one row each; draws
     the planned rows' uniforms now (each sequence draws one per token, in order, wherever it is
-    sampled). in_flight: seqs[i]'s last token where it is PENDING in token_ids but already on the
-    driver (async scheduling under the executor, whose samples come back to the host). None when no
-    row can be sampled on the worker."""
+    sampled). token_src, prev_tokens: seqs[i]'s last token, PENDING in token_ids, is
+    prev_tokens[token_src[i]], a host tensor (async scheduling under the executor, whose samples
+    come back to the driver). None when no row can be sampled on the worker."""
     rows, params, uniforms = [], [], []
     for j, i in enumerate(sample_idx):
         seq = seqs[i]
@@ -78,9 +79,9 @@ def plan(seqs: list[Sequence], sample_idx: list[int], in_flight: dict[int, int] 
         if penalties is not None:
             output = penalties.output
             if output and output[-1] < 0:  # PENDING: its last token is still in flight
-                if in_flight is None or i not in in_flight:
+                if prev_tokens is None or not token_src or i not in token_src:
                     continue  # on no host yet: the driver samples it once it has it
-                output = output[:-1] + [in_flight[i]]
+                output = output[:-1] + [int(prev_tokens[token_src[i]])]
             penalties = penalties._replace(output=np.array(output, dtype=np.int32))
         bias = ban = None
         if seq.logit_bias is not None:

@@ -120,11 +120,10 @@ class ModelRunner:
         elif self.sample_on_worker and built.sample_idx and not all_logits:
             from kvrelay.engine.parallel.remote_sampling import plan
 
-            in_flight = None  # the PENDING tokens, where the previous step's samples are on the host
-            if token_src and prev_tokens is not None and prev_tokens.device.type == "cpu":
-                prev = prev_tokens.tolist()
-                in_flight = {i: prev[j] for i, j in token_src.items()}
-            logits = self._forward(built.batch, meanwhile, plan(seqs, built.sample_idx, in_flight))
+            # The previous step's samples, where they are on the host: the PENDING tokens penalties count.
+            on_host = prev_tokens is not None and prev_tokens.device.type == "cpu"
+            logits = self._forward(built.batch, meanwhile, plan(seqs, built.sample_idx, token_src if on_host else None,
+                                                                prev_tokens if on_host else None))
             if not isinstance(logits, torch.Tensor):  # RemoteLogits: exactly the sampling rows
                 return logits, built.sample_idx, built.logits_rows
         else:
