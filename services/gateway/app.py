@@ -55,6 +55,8 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     msg = first.get("msg", "invalid value")
     if first.get("type") == "extra_forbidden":
         msg = "unknown field (not part of this API)"
+    elif first.get("type") == "value_error":  # our validators' own messages, without pydantic's prefix
+        msg = msg.removeprefix("Value error, ")
     more = f" ({len(errs) - 1} more errors)" if len(errs) > 1 else ""
     return errors.bad_request(f"{param or 'body'}: {msg}{more}", param, "invalid_value")
 

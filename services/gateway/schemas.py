@@ -86,9 +86,21 @@ class TextPart(_Strict):
     text: str
 
 
+def _text_parts_only(content):
+    """The engine serves text-only models: name an image or audio part plainly, instead of the union's
+    "Input should be a valid string" for the whole content."""
+    if isinstance(content, list):
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"part {i} has type {kind!r}, but this server's models take text only: "
+                                 "send content as a string or as parts of type 'text'")
+    return content
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
     name: Annotated[str, Field(max_length=256)] | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools (gateway/structured/tools.py)
     tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # tool turns: the call answered

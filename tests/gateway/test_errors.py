@@ -166,7 +166,7 @@ BAD_CHAT = [
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, None),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, "presence_penalty"),
 ]
@@ -179,6 +179,14 @@ def test_bad_chat_bodies(gw, extra, param):
     raw = json.dumps({"model": MODEL} | extra).encode()  # json.dumps escapes the lone surrogate
     r = post(gw, None, content=raw, path="/v1/chat/completions", headers={"content-type": "application/json"})
     assert_error(r, 400, param)
+
+
+def test_an_image_part_is_named_as_unsupported(gw):
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x"}}]
+    r = post(gw, {"model": MODEL, "messages": [{"role": "user", "content": content}]}, path="/v1/chat/completions")
+    err = assert_error(r, 400, "messages[0].content")
+    assert err["message"].startswith("messages[0].content: part 1 has type 'image_url'"), err["message"]
+    assert "text only" in err["message"]
 
 
 def test_unknown_route_and_method(gw):
