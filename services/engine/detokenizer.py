@@ -19,7 +19,8 @@ CONTEXT_TOKENS = 6  # prompt tokens used as left context for the first generated
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special: bool = True
+        self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special: bool = True,
+        keep_stop: bool = False,
     ):
         self._decode = tokenizer.decoder(skip_special)
         self._pieces = tokenizer.piece_table(skip_special)
@@ -29,6 +30,7 @@ class IncrementalDetokenizer:
         self.prefix_text = self._decode(self.ids)
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.keep_stop = keep_stop  # include_stop_str_in_output: the text ends with the stop string
         self.text = ""  # all text decoded so far (truncated at a stop string)
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
@@ -73,7 +75,7 @@ class IncrementalDetokenizer:
                 best = (idx, s)
         if best is None:
             return None
-        self.text = self.text[: best[0]]
+        self.text = self.text[: best[0] + (len(best[1]) if self.keep_stop else 0)]
         self.stopped = True
         return best[1]
 

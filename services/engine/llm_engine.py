@@ -460,6 +460,8 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         """(finish reason, stop reason) once token, the last of seq.token_ids, is detokenized."""
         generated = len(seq.token_ids) - seq.prompt_len
         if token in seq.stop_ids and generated >= seq.params.min_tokens:
+            if seq.params.include_stop_str_in_output:  # the stop token's text too (none if it is special)
+                seq.detok.add_token(token)
             return "stop", (token if token in seq.params.stop_token_ids else None)
         stop_string = seq.detok.add_token(token)
         if stop_string is not None:

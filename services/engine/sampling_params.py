@@ -32,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob plus top-k alternatives
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob plus top-k (vLLM)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string, or stop token's text, ends the text
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     # Plugin logits processors by name, with their arguments (kvrelay.engine.logits_processors).
     logits_processors: dict[str, dict] | None = None
@@ -87,6 +88,9 @@ class SamplingParams:
             bad("stop", "must be a list of non-empty strings")
         if len(self.stop) > 16:
             bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
+        for name in ("skip_special_tokens", "include_stop_str_in_output", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be true or false, got {getattr(self, name)!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):

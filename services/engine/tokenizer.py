@@ -98,7 +98,8 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Render the chat template and encode it, with only the template's own markers special:
-        special-token text inside a message's content is encoded as plain text."""
+        special-token text inside a message's content is encoded as plain text. kwargs: those of
+        apply_chat_template, and the template's variables."""
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         if not any(self.has_special_text(m.get("content") or "") for m in messages):
             return self.encode_prompt(text)  # nothing to forge: the common, fast path
@@ -148,19 +149,32 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs) -> str:
+        """continue_final_message: the text ends right after the final message's content (an
+        assistant turn the model is to continue), as in transformers."""
         try:
-            return self._chat_template.render(
+            text = self._chat_template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 **kwargs,
             )
-        except jinja2.TemplateError as e:
+        # A request's template variables of an unexpected type fail inside the template as Python errors.
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
             raise InvalidRequestError(
-                f"messages: the chat template cannot render them: {e}", field="messages"
+                f"messages: the chat template cannot render them: {type(e).__name__}: {e}", field="messages"
             ) from e
+        if continue_final_message:
+            final = messages[-1].get("content") or ""
+            for piece in (final, final.strip()):  # templates may strip the content
+                if piece and piece in text:
+                    return text[: text.rindex(piece) + len(piece)]
+            raise InvalidRequestError("continue_final_message: this model's chat template does not render the "
+                                      "final message's content as sent, so it cannot be continued",
+                                      field="continue_final_message")
+        return text
 
 
 class PieceTable:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kvrelay.engine import logits_processors
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.gateway import errors
+from kvrelay.gateway import chat_render, errors
 from kvrelay.gateway.backend import Backend
 from kvrelay.gateway.deadlines import request_timeout
 from kvrelay.gateway.errors import ApiError
@@ -48,7 +48,8 @@ INLINE_PROMPT_CHARS = 256
 _INLINE_FIELDS = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "min_p", "n", "stream", "stream_options", "stop", "seed", "user", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "echo", "cache_salt", "priority"})
+    "repetition_penalty", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "echo", "cache_salt", "priority",
+    "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "add_generation_prompt"})
 
 
 @dataclass
@@ -176,6 +177,8 @@ class Gateway:
             # The engine seeds a 64-bit generator: fold any integer into its range, deterministically.
             seed=None if body.seed is None else body.seed % (2**63),
             stop=stop, ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
+            stop_token_ids=list(body.stop_token_ids or []), skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
             logits_processors=logits_processors.normalise(body.logits_processors),
             structured=checked(requested_spec(body), self.backend.tokenizer),
             prompt_logprobs=body.prompt_logprobs,
@@ -208,6 +211,19 @@ class Gateway:
                            "generate): shorten the prompt or lower max_tokens", param=field_name,
                            code="context_length_exceeded")
         return sum(len(p) + params.n * per_sample for p in prompts)
+
+    def _truncate(self, prompts: list[list[int]], body) -> list[list[int]]:
+        """vLLM's truncate_prompt_tokens: each prompt's last k tokens (-1: the context's length)."""
+        k = body.truncate_prompt_tokens
+        if k is None:
+            return prompts
+        if k == 0:
+            raise errors.bad_request("truncate_prompt_tokens: must be -1 (the context's length) or at least 1",
+                                     "truncate_prompt_tokens")
+        k = self.backend.max_model_len if k == -1 else k
+        if all(len(p) <= k for p in prompts):
+            return prompts
+        return [p[-k:] for p in prompts]
 
     def _encode(self, text: str, field_name: str) -> list[int]:
         _check_text(text, field_name)
@@ -294,6 +310,9 @@ class Gateway:
             prompts = [self._encode(x, "prompt") for x in raw]
         else:
             prompts = [list(x) for x in raw]
+        truncated = self._truncate(prompts, body)
+        echo_ids = truncated is not prompts  # echo what the model saw
+        prompts = truncated
         vocab = self.backend.tokenizer.vocab_size
         if any(t >= vocab for p in prompts for t in p):
             raise errors.bad_request(f"prompt: token ids must be < the vocabulary size {vocab}", "prompt")
@@ -313,7 +332,9 @@ class Gateway:
         p.priority = _request_priority(body, tenant)
         p.prompt_logprobs = body.prompt_logprobs is not None
         if body.echo:
-            if isinstance(raw, str):
+            if echo_ids:
+                p.echo = [self.backend.tokenizer.decode(ids) for ids in prompts]
+            elif isinstance(raw, str):
                 p.echo = [raw]
             elif isinstance(raw[0], str):
                 p.echo = list(raw)
@@ -331,14 +352,8 @@ class Gateway:
             messages.append({"role": m.role, "content": content} | ({"name": m.name} if m.name else {}))
         tok = self.backend.tokenizer
         plan, messages, template_vars = tool_calling.plan(body, self.config.tools, tok, messages)
-        try:
-            if self.config.allow_special_tokens:
-                prompts = [tok.encode_prompt(tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                                     **template_vars))]
-            else:  # only the template's own markers are special, never text inside a message
-                prompts = [tok.encode_chat(messages, add_generation_prompt=True, **template_vars)]
-        except InvalidRequestError as e:
-            raise errors.bad_request(str(e), "messages") from e
+        prompts = self._truncate([chat_render.render(tok, messages, body, template_vars,
+                                                     self.config.allow_special_tokens)], body)
         if body.top_logprobs is not None and not body.logprobs:
             raise errors.bad_request("top_logprobs: requires `logprobs: true`", "top_logprobs")
         field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

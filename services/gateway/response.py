@@ -96,6 +96,7 @@ class _Choice:
     top: list[dict] = field(default_factory=list)
     chat_logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     generated: int = 0
 
 
@@ -272,6 +273,8 @@ class GenerationResponse(Response):
         if p.admission is not None:  # reported with lease renewals: what a dead gateway's lease settles at
             p.admission.used = self._prompt_tokens + self._generated
         c.finish_reason = out.finish_reason or c.finish_reason
+        if out.finish_reason:
+            c.stop_reason = out.stop_reason
         c.text.append(out.text)
         delta_lp = None
         if p.logprobs and out.logprobs:
@@ -329,6 +332,8 @@ class GenerationResponse(Response):
                 choice = {"index": index, "text": text, "logprobs": delta_lp, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text, "logprobs": delta_lp, "finish_reason": out.finish_reason}
+            if choice["finish_reason"]:
+                choice["stop_reason"] = out.stop_reason
             if p.prompt_logprobs and first_of_choice:
                 choice["prompt_logprobs"] = self._vllm_prompt_logprobs(i)
             return [choice]
@@ -343,10 +348,12 @@ class GenerationResponse(Response):
             for k, delta in enumerate(deltas or ([{}] if delta_lp or reason else [])):
                 last = k == max(len(deltas), 1) - 1
                 chunks.append({"index": index, "delta": delta, "logprobs": delta_lp if k == 0 else None,
-                               "finish_reason": reason if last else None})
+                               "finish_reason": reason if last else None}
+                              | ({"stop_reason": out.stop_reason} if reason and last else {}))
         elif out.text or delta_lp or out.finish_reason:
             delta = {"content": out.text} if out.text else {}
-            chunks.append({"index": index, "delta": delta, "logprobs": delta_lp, "finish_reason": out.finish_reason})
+            chunks.append({"index": index, "delta": delta, "logprobs": delta_lp, "finish_reason": out.finish_reason}
+                          | ({"stop_reason": out.stop_reason} if out.finish_reason else {}))
         return chunks
 
     def _token_text(self, token_id: int) -> str:
@@ -389,13 +396,14 @@ class GenerationResponse(Response):
                           "text_offset": offsets}
                     if p.echo:
                         lp = self._echo_logprobs(index // p.params.n, lp)
-                choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+                choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
             else:
                 message, reason = ({"role": "assistant", "content": text}, c.finish_reason) if p.tools is None \
                     else p.tools.final(text, c.finish_reason)
                 choices.append({"index": index, "message": message,
                                 "logprobs": {"content": c.chat_logprobs} if p.logprobs else None,
-                                "finish_reason": reason})
+                                "finish_reason": reason, "stop_reason": c.stop_reason})
         if p.prompt_logprobs:
             for choice in choices:
                 choice["prompt_logprobs"] = self._vllm_prompt_logprobs(choice["index"] // p.params.n)

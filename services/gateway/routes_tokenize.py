@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from kvrelay.engine.errors import InvalidRequestError
-from kvrelay.gateway import errors
+from kvrelay.gateway import chat_render, errors
+from kvrelay.gateway.chat_render import ChatTemplateFields
 from kvrelay.gateway.deps import gateway_of, tenant_of
 from kvrelay.gateway.schemas import ERROR_RESPONSES, ChatMessage, TokenIds, _Strict
 from kvrelay.gateway.tenants import Tenant
@@ -18,12 +18,11 @@ router = APIRouter()
 RESPONSES = {k: ERROR_RESPONSES[k] for k in (400, 401, 403, 404, 413)}
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(ChatTemplateFields):  # messages render as chat requests render them (chat_render.py)
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True  # prompts: BOS as the tokenizer adds it
-    add_generation_prompt: bool = True  # messages: the assistant turn's opening, as chat requests render it
     return_token_strs: bool = False
 
 
@@ -65,10 +64,7 @@ async def tokenize(body: TokenizeRequest, request: Request, tenant: Annotated[Te
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
                      "".join(p.text for p in m.content or [])} for m in body.messages]
         gateway._check_prompt_bytes([m["content"] for m in messages], "messages")
-        try:
-            return tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
-        except InvalidRequestError as e:
-            raise errors.bad_request(str(e), "messages") from e
+        return chat_render.render(tok, messages, body, {}, gateway.config.allow_special_tokens)
 
     ids = await gateway._offload(run)
     out = {"count": len(ids), "max_model_len": gateway.backend.max_model_len, "tokens": ids}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from kvrelay.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
+from kvrelay.gateway.chat_render import ChatTemplateFields
 from kvrelay.gateway.structured.fields import StructuredFields
 from kvrelay.gateway.structured.tools import ToolCall, ToolFields
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -18,6 +19,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 MAX_STOP = 16
 MAX_REQUEST_PRIORITY = 1000  # |priority| of a request; the engine sees tenant band * 10^4 + it
 MAX_BATCH_PROMPTS = 16
+MAX_STOP_TOKEN_IDS = 256
 
 
 class _Strict(BaseModel):
@@ -71,6 +73,12 @@ class _SamplingFields(StructuredFields):  # structured-output fields: gateway/st
     priority: Annotated[Int, Field(ge=-MAX_REQUEST_PRIORITY, le=MAX_REQUEST_PRIORITY)] = 0
     # vLLM's: each prompt token's logprob plus its top-k alternatives, per choice.
     prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's: end at these token ids too; keep special tokens' text; end the text with the stop string
+    # (or the stop token's text); keep only the prompt's last k tokens (-1: as many as the context holds).
+    stop_token_ids: Annotated[list[Annotated[Int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -106,7 +114,7 @@ class ChatMessage(_Strict):
     tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # tool turns: the call answered
 
 
-class ChatCompletionRequest(_SamplingFields, ToolFields):
+class ChatCompletionRequest(_SamplingFields, ToolFields, ChatTemplateFields):  # chat_render.py
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[Int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
@@ -140,6 +148,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
 
 
 class CompletionResponse(BaseModel):
@@ -176,6 +185,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -9,7 +9,7 @@ from kvrelay.engine.structured.spec import GuidedSpec
 from kvrelay.v1 import common_pb2
 
 _PLAIN = ("n", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-          "presence_penalty", "frequency_penalty", "ignore_eos", "skip_special_tokens")
+          "presence_penalty", "frequency_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 _OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
 
 

@@ -36,16 +36,20 @@ def test_streamed_deltas_equal_full_decode(tokenizer, text):
     assert "".join(deltas) == tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)) :]
 
 
-def test_stop_string_inside_multibyte_text(tokenizer):
-    ids = tokenizer.encode("I like crème brûlée a lot", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"), stop=["brû"])
+@pytest.mark.parametrize("keep", [False, True])
+def test_stop_string_inside_multibyte_text(tokenizer, keep):
+    """The earliest stop string ends the text, itself included with keep_stop
+    (include_stop_str_in_output), and nothing after it."""
+    ids = tokenizer.encode("I like crème brûlée a lot, really", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"), stop=["a lot", "brû"], keep_stop=keep)
     out, hit = "", None
     for i in ids:
         hit = detok.add_token(i)
         out += detok.take(final=hit is not None)
         if hit:
             break
-    assert hit == "brû" and out == " I like crème "
+    assert hit == "brû"
+    assert out == (" I like crème brû" if keep else " I like crème ")
 
 
 def _stream(tokenizer, prompt, ids, stop=(), slow=False):

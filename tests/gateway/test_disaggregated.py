@@ -50,6 +50,10 @@ def test_completions_through_workers_match_the_local_engine(cluster_gateway, ope
     chunks = list(remote.completions.create(**kwargs, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     biased = {**kwargs, "logit_bias": {"300": 100}}  # crosses the gRPC hop in the sampling params
+    kept = {**kwargs, "stop": [expected.split()[2]], "extra_body": {"include_stop_str_in_output": True}}
+    got = remote.completions.create(**kept).choices[0]
+    assert got.text.endswith(expected.split()[2]) and got.model_extra["stop_reason"] == expected.split()[2]
+    assert got.text == local.completions.create(**kept).choices[0].text
     assert remote.completions.create(**biased).choices[0].text == local.completions.create(**biased).choices[0].text
     chat = remote.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     assert chat.usage.completion_tokens == 5

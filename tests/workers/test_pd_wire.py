@@ -171,7 +171,8 @@ def test_sampling_params_round_trip():
               SamplingParams(n=2, max_tokens=None, min_tokens=3, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1,
                              repetition_penalty=1.1, presence_penalty=-0.5, frequency_penalty=0.25, seed=2**40,
                              stop=["a", "bc"], stop_token_ids=[2, 7], ignore_eos=True, logprobs=0,
-                             skip_special_tokens=False, logit_bias={3: -100.0, 300: 2.5})):
+                             skip_special_tokens=False, include_stop_str_in_output=True,
+                             logit_bias={3: -100.0, 300: 2.5})):
         assert params_from_proto(params_to_proto(p)) == p
 
 

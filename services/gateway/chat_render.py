@@ -1,0 +1,72 @@
+"""Rendering chat messages into prompt ids, with vLLM's chat-template fields.
+
+- `chat_template_kwargs`: extra variables for the model's chat template, such as Qwen3's
+  `enable_thinking`. They cannot replace the variables the server sets itself.
+- `add_generation_prompt` (default true): end the prompt with the opening of the assistant's turn.
+- `continue_final_message`: end the prompt inside the final message, an assistant turn, so the
+  model continues it ("prefill" the answer). It needs `add_generation_prompt: false`, as in vLLM.
+  The template renders the whole chat, and the text is cut after the final message's content, as
+  transformers' `apply_chat_template(continue_final_message=True)` does.
+
+/v1/chat/completions and /tokenize render through `render`, so /tokenize counts exactly the ids a
+chat request runs on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrelay.engine.errors import InvalidRequestError
+from kvrelay.gateway import errors
+from pydantic import BaseModel, ConfigDict
+
+# Set by the server (Tokenizer.apply_chat_template and tool calling): a request may not override them.
+RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+class ChatTemplateFields(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+def template_variables(body: ChatTemplateFields, server_vars: dict) -> dict:
+    """The request's chat_template_kwargs joined with the server's own variables (tools)."""
+    extra = body.chat_template_kwargs or {}
+    taken = sorted((RESERVED_VARIABLES | server_vars.keys()) & extra.keys())
+    if taken:
+        raise errors.bad_request(
+            f"chat_template_kwargs: {', '.join(map(repr, taken))} cannot be set here: the server sets "
+            "them (send tools in `tools`, and add_generation_prompt as a field of its own)", "chat_template_kwargs")
+    return extra | server_vars
+
+
+def check_continuation(body: ChatTemplateFields, messages: list[dict]) -> None:
+    if not body.continue_final_message:
+        return
+    if body.add_generation_prompt:
+        raise errors.bad_request("continue_final_message: cannot be combined with add_generation_prompt, which "
+                                 "defaults to true: send `add_generation_prompt: false`", "continue_final_message")
+    last = messages[-1]
+    if last["role"] != "assistant" or not (last.get("content") or "").strip():
+        raise errors.bad_request("continue_final_message: the last message must be an assistant message with "
+                                 "the text to continue", "continue_final_message")
+
+
+def render(tok, messages: list[dict], body: ChatTemplateFields, server_vars: dict,
+           allow_special_tokens: bool = False) -> list[int]:
+    """The prompt ids of messages; raises ApiError(400) naming the field at fault."""
+    variables = template_variables(body, server_vars)
+    check_continuation(body, messages)
+    try:
+        if allow_special_tokens:
+            return tok.encode_prompt(tok.apply_chat_template(
+                messages, body.add_generation_prompt, continue_final_message=body.continue_final_message,
+                **variables))
+        # only the template's own markers are special, never text inside a message
+        return tok.encode_chat(messages, body.add_generation_prompt,
+                               continue_final_message=body.continue_final_message, **variables)
+    except InvalidRequestError as e:
+        raise errors.bad_request(str(e), e.field or "messages") from e
