@@ -1,4 +1,5 @@
-"""GET /v1/models, /health (the process answers) and /ready (a worker can serve)."""
+"""GET /v1/models (and one model, as the OpenAI client's `models.retrieve` asks), /health (the
+process answers), /ready (a worker can serve) and /version."""
 
 from __future__ import annotations
 
@@ -7,19 +8,36 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from kvrelay.gateway import errors
 from kvrelay.gateway.deps import gateway_of, tenant_of
-from kvrelay.gateway.schemas import ERROR_RESPONSES, ModelList
+from kvrelay.gateway.schemas import ERROR_RESPONSES, ModelCard, ModelList
 from kvrelay.gateway.tenants import Tenant
 
 router = APIRouter()
 
 
+def _card(backend) -> dict:
+    return {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "kvrelay",
+            "max_model_len": backend.max_model_len}
+
+
 @router.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
 async def models(request: Request, tenant: Annotated[Tenant, Depends(tenant_of)]):
     backend = gateway_of(request).backend
-    name = backend.model_name
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvrelay",
-             "max_model_len": backend.max_model_len}] if tenant.may_use(name) else []
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": [_card(backend)] if tenant.may_use(backend.model_name) else []}
+
+
+@router.get("/v1/models/{model:path}", response_model=ModelCard,
+            responses={k: ERROR_RESPONSES[k] for k in (401, 403, 404)})
+async def model(model: str, request: Request, tenant: Annotated[Tenant, Depends(tenant_of)]):
+    gateway = gateway_of(request)
+    gateway.check_model(model, tenant)  # 404 naming the models served, or 403 for a model the tenant may not use
+    return _card(gateway.backend)
+
+
+@router.get("/version")
+async def version():
+    from kvrelay import __version__
+
+    return {"version": __version__}
 
 
 @router.get("/health", responses={503: ERROR_RESPONSES[503]})

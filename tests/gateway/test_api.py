@@ -19,9 +19,17 @@ def client(open_gateway):
     return openai.OpenAI(base_url=open_gateway.url + "/v1", api_key="unused", max_retries=0)
 
 
-def test_models(client):
+def test_models(client, open_gateway):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    one = client.models.retrieve(MODEL)
+    assert (one.id, one.model_extra["max_model_len"]) == (MODEL, 512)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/other-model")
+    assert e.value.body["code"] == "model_not_found" and MODEL in e.value.body["message"]
+    from kvrelay import __version__
+
+    assert httpx.get(open_gateway.url + "/version").json() == {"version": __version__}
 
 
 def test_completion_not_streaming(client):

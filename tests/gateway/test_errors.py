@@ -66,6 +66,10 @@ def test_auth_statuses(gw):
     with pytest.raises(openai.PermissionDeniedError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=1)
     assert client.models.list().data == []
+    with pytest.raises(openai.PermissionDeniedError):
+        client.models.retrieve(MODEL)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gw.url + "/v1", api_key="nope", max_retries=0).models.retrieve(MODEL)
 
 
 def test_rate_limit_429_with_headers_via_client(gw):
