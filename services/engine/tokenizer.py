@@ -56,11 +56,9 @@ class Tokenizer:
         chat_file = model_dir / "chat_template.jinja"
         if template is None and chat_file.is_file():
             template = chat_file.read_text()
-        self.has_chat_template = template is not None
-        self.chat_template_source = template or FALLBACK_CHAT_TEMPLATE  # read for the variables it uses
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = self._raise
-        self._chat_template = env.from_string(template or FALLBACK_CHAT_TEMPLATE)
+        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._env.globals["raise_exception"] = self._raise
+        self.set_chat_template(template)
         added = self._tk.get_added_tokens_decoder()  # id -> AddedToken
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
         self._piece_tables: dict[bool, PieceTable] = {}
@@ -69,6 +67,14 @@ class Tokenizer:
         self._plain.encode_special_tokens = True
         specials = sorted((t.content for i, t in added.items() if t.special and t.content), key=len, reverse=True)
         self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    def set_chat_template(self, template: str | None) -> None:
+        """Render chats with template (jinja2 source; None: a plain fallback), as `--chat-template`
+        sets it. Raises jinja2.TemplateSyntaxError for a template that does not parse."""
+        compiled = self._env.from_string(template or FALLBACK_CHAT_TEMPLATE)
+        self.has_chat_template = template is not None
+        self.chat_template_source = template or FALLBACK_CHAT_TEMPLATE  # read for the variables it uses
+        self._chat_template = compiled
 
     @staticmethod
     def _raise(message: str):

@@ -14,6 +14,7 @@ chat request runs on.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from kvrelay.engine.errors import InvalidRequestError
@@ -53,6 +54,25 @@ def check_continuation(body: ChatTemplateFields, messages: list[dict]) -> None:
     if last["role"] != "assistant" or not (last.get("content") or "").strip():
         raise errors.bad_request("continue_final_message: the last message must be an assistant message with "
                                  "the text to continue", "continue_final_message")
+
+
+def load_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself when it reads as a jinja2 template (as vLLM
+    takes it). Raises ValueError saying what is wrong, for the start-up checks (kvrelay.preflight)."""
+    import jinja2
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        text = path.read_text()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat-template {value}: no such file, and not a jinja2 template either")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: line {e.lineno}: {e.message}") from e
+    return text
 
 
 def render(tok, messages: list[dict], body: ChatTemplateFields, server_vars: dict,

@@ -70,6 +70,7 @@ class GatewayConfig:
     frontdoor: FrontDoorLimits = field(default_factory=FrontDoorLimits)  # header and connection limits
     tools: tool_calling.ToolSettings = field(default_factory=tool_calling.ToolSettings)  # tool-call parser
     request_timeout_s: float | None = 600.0  # every request's deadline, capped per tenant; None: none
+    chat_template: str | None = None  # --chat-template: jinja2 source replacing the model's own
 
 
 @dataclass
@@ -128,6 +129,8 @@ class Gateway:
 
     async def start(self) -> None:
         await self.backend.start()
+        if self.config.chat_template is not None:  # the backend's tokenizer exists once it started
+            self.backend.tokenizer.set_chat_template(self.config.chat_template)
         capacity = self.config.capacity or self.backend.capacity
         self.scheduler = FairScheduler(capacity, self.config.max_queue)
 

@@ -94,6 +94,13 @@ def check(command: str, args: argparse.Namespace) -> None:
             check_model_path(args.speculative_model, "--speculative-model")
     if command in ("generate", "serve", "prefill", "decode"):
         check_device(args.device, args.kernel_backend)
+    if command in ("serve", "gateway") and args.chat_template:
+        from kvrelay.gateway.chat_render import load_template
+
+        try:
+            load_template(args.chat_template)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
     if command == "operator":
         # Usage errors first: they hold whatever cluster the operator would reach.
         if args.namespace and not args.standalone:

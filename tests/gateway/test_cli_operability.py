@@ -46,6 +46,18 @@ def test_a_model_path_that_is_no_folder_is_one_line_with_the_hub_hint(role):
     assert "meta-llama/Llama-3.2-1B: no such folder" in lines[0] and "download it first" in lines[0]
 
 
+@pytest.mark.parametrize(("value", "says"), [
+    ("no-such-template.jinja", "no such file, and not a jinja2 template either"),
+    ("{% for m in messages %}{{ m.content }}", "line 1: Unexpected end of template"),
+])
+@pytest.mark.parametrize("role", ["serve", "gateway"])
+def test_a_chat_template_that_cannot_be_used_is_one_line(role, value, says):
+    extra = ["--decode", "127.0.0.1:1"] if role == "gateway" else []
+    out = kvrelay(role, "--chat-template", value, *extra)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"kvrelay {role}: error: --chat-template") and says in out.stderr
+
+
 def test_cuda_and_triton_without_cuda_are_one_line():
     import torch
 

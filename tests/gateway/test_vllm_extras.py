@@ -160,6 +160,29 @@ def test_chat_template_kwargs_reach_the_template(thinking_gateway):
             "chat_template_kwargs")
 
 
+def test_the_chat_template_flag_replaces_the_models_template(tmp_path):
+    """--chat-template FILE (GatewayConfig.chat_template): chat requests and /tokenize render with it."""
+    from kvrelay.gateway.chat_render import load_template
+    from kvrelay.gateway.gateway import GatewayConfig
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}[assistant]{% endif %}")
+    assert load_template(str(path)) == path.read_text() and load_template("{{ x }}") == "{{ x }}"
+    gw = InProcessGateway(config=GatewayConfig(chat_template=load_template(str(path))))
+    try:
+        messages = [{"role": "user", "content": "Tell me a story"}]
+        ids = _ids(gw, messages=messages)
+        text = httpx.post(gw.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert text == "[user] Tell me a story\n[assistant]"
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        chat = c.chat.completions.create(**GREEDY, messages=messages, max_tokens=6)
+        assert chat.usage.prompt_tokens == len(ids)
+        assert chat.choices[0].message.content == c.completions.create(**GREEDY, prompt=ids, max_tokens=6).choices[0].text
+    finally:
+        gw.stop()
+
+
 def test_a_template_variable_of_the_wrong_type_is_a_400(tmp_path):
     """A variable the template uses as a number, sent as a string, fails inside jinja2 with a
     Python TypeError: that is the request's fault, a 400, not a 500."""
