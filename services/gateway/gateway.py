@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kvrelay.engine import logits_processors
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.gateway import chat_render, errors
+from kvrelay.gateway import chat_render, errors, reasoning
 from kvrelay.gateway.backend import Backend
 from kvrelay.gateway.deadlines import request_timeout
 from kvrelay.gateway.errors import ApiError
@@ -71,6 +71,7 @@ class GatewayConfig:
     tools: tool_calling.ToolSettings = field(default_factory=tool_calling.ToolSettings)  # tool-call parser
     request_timeout_s: float | None = 600.0  # every request's deadline, capped per tenant; None: none
     chat_template: str | None = None  # --chat-template: jinja2 source replacing the model's own
+    reasoning_parser: str | None = None  # --reasoning-parser: reasoning.PARSERS
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Prepared:
     score_only: bool = False  # completions with max_tokens 0 and echo: the prompt, nothing generated
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs: each choice carries them
     priority: int = 0  # the request's own priority, bounded by its tenant's max_request_priority
+    reasoning: reasoning.ReasoningSplit | None = None  # chat with --reasoning-parser: thinking apart from content
 
     @property
     def engine_priority(self) -> int:
@@ -369,10 +371,13 @@ class Gateway:
             if plan.choice == "auto" and self.config.tools.parser == "mistral":
                 params.skip_special_tokens = False  # its [TOOL_CALLS] marker is a special token
         reserve = self._fit_context(prompts, params, "messages")
+        thinking = reasoning.plan(self.config.reasoning_parser, tok.decode(prompts[0][-8:], skip_special_tokens=False),
+                                  constrained=params.structured is not None)
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
                         body.stream, bool(body.stream_options and body.stream_options.include_usage),
                         body.logprobs, reserve, cache_salt=self.cache_salt(tenant, body.cache_salt), tools=plan,
-                        prompt_logprobs=body.prompt_logprobs is not None, priority=_request_priority(body, tenant))
+                        prompt_logprobs=body.prompt_logprobs is not None, priority=_request_priority(body, tenant),
+                        reasoning=thinking)
 
     # ------------------------------------------------------------------ admission
 

@@ -341,8 +341,15 @@ class GenerationResponse(Response):
         if first_of_choice:
             chunks.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None})
+        text = out.text
+        if p.reasoning is not None:  # thinking apart from the answer: gateway/reasoning.py
+            thought, text = p.reasoning.feed(index, text, out.finish_reason is not None)
+            if thought:
+                chunks.append({"index": index, "delta": {"reasoning_content": thought}, "logprobs": delta_lp,
+                               "finish_reason": None})
+                delta_lp = None  # this increment's logprobs went with its first chunk
         if p.tools is not None:  # text that may be tool calls: gateway/structured/tools.py
-            deltas, reason = p.tools.stream(index, out.text, out.finish_reason)
+            deltas, reason = p.tools.stream(index, text, out.finish_reason)
             if reason:
                 self.choices[index].finish_reason = reason
             for k, delta in enumerate(deltas or ([{}] if delta_lp or reason else [])):
@@ -350,8 +357,8 @@ class GenerationResponse(Response):
                 chunks.append({"index": index, "delta": delta, "logprobs": delta_lp if k == 0 else None,
                                "finish_reason": reason if last else None}
                               | ({"stop_reason": out.stop_reason} if reason and last else {}))
-        elif out.text or delta_lp or out.finish_reason:
-            delta = {"content": out.text} if out.text else {}
+        elif text or delta_lp or out.finish_reason:
+            delta = {"content": text} if text else {}
             chunks.append({"index": index, "delta": delta, "logprobs": delta_lp, "finish_reason": out.finish_reason}
                           | ({"stop_reason": out.stop_reason} if out.finish_reason else {}))
         return chunks
@@ -399,8 +406,13 @@ class GenerationResponse(Response):
                 choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
             else:
+                thought = None
+                if p.reasoning is not None:
+                    thought, text = p.reasoning.split(text)
                 message, reason = ({"role": "assistant", "content": text}, c.finish_reason) if p.tools is None \
-                    else p.tools.final(text, c.finish_reason)
+                    else p.tools.final(text or "", c.finish_reason)
+                if thought is not None:  # an answer left empty after the thinking is null, as in vLLM
+                    message |= {"reasoning_content": thought, "content": message.get("content") or None}
                 choices.append({"index": index, "message": message,
                                 "logprobs": {"content": c.chat_logprobs} if p.logprobs else None,
                                 "finish_reason": reason, "stop_reason": c.stop_reason})

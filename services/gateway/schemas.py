@@ -177,6 +177,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None  # None when the answer is only tool calls
+    reasoning_content: str | None = None  # with --reasoning-parser: the model's thinking
     tool_calls: list[dict] | None = None
 
 

@@ -18,7 +18,7 @@ import time
 import yaml
 from kvrelay.engine.cpu_threads import split_cpus
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
-from kvrelay.gateway import chat_render
+from kvrelay.gateway import chat_render, reasoning
 from kvrelay.gateway.api_key import ENV as API_KEY_ENV
 from kvrelay.gateway.api_key import ApiKeyRegistry
 from kvrelay.gateway.app import Gateway, GatewayConfig, create_app
@@ -92,6 +92,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                              "tool support): hermes (also Qwen), llama3_json, mistral")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='allow tool_choice "auto" (the model decides; needs --tool-call-parser)')
+    parser.add_argument("--reasoning-parser", default=None, choices=reasoning.PARSERS,
+                        help="reasoning models: chat answers carry the <think> block in reasoning_content, apart "
+                             "from content (deepseek_r1, qwen3)")
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="the chat template to use instead of the model's own: a jinja2 file, or the template "
                              "itself in one line (as vLLM takes it)")
@@ -125,6 +128,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          tools=ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice),
                          request_timeout_s=args.request_timeout or None,
                          chat_template=chat_render.load_template(args.chat_template) if args.chat_template else None,
+                         reasoning_parser=args.reasoning_parser,
                          frontdoor=FrontDoorLimits(args.max_header_bytes, args.max_headers, args.header_timeout,
                                                    args.max_connections_per_client))
 
