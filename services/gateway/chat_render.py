@@ -33,6 +33,21 @@ class ChatTemplateFields(BaseModel):
     continue_final_message: bool = False
 
 
+def template_messages(messages) -> list[dict]:
+    """The request's messages (schemas.ChatMessage) as the chat template reads them."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        errors.check_text(content, f"messages[{i}].content")
+        for name, instead in (("function_call", "send tool_calls"), ("audio", "send text")):
+            if getattr(m, name) is not None:
+                raise errors.bad_request(f"messages[{i}].{name}: not supported here: {instead}",
+                                         f"messages[{i}].{name}")
+        out.append({"role": m.role, "content": content} | ({"name": m.name} if m.name else {})
+                   | ({"reasoning_content": m.reasoning_content} if m.reasoning_content else {}))
+    return out
+
+
 def template_variables(body: ChatTemplateFields, server_vars: dict) -> dict:
     """The request's chat_template_kwargs joined with the server's own variables (tools)."""
     extra = body.chat_template_kwargs or {}

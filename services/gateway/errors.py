@@ -59,3 +59,12 @@ def rate_limited(message: str, code: str, headers: dict[str, str]) -> ApiError:
 def unavailable(message: str, code: str = "service_unavailable", retry_after: int | None = 1) -> ApiError:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
     return ApiError(503, message, "service_unavailable_error", None, code, headers=headers)
+
+
+def check_text(text: str, field_name: str) -> None:
+    """A 400 for text that is not valid Unicode (a lone surrogate), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{field_name}: contains invalid Unicode (a lone surrogate at {e.start})",
+                          field_name) from e

@@ -169,7 +169,7 @@ class Gateway:
         defaults = self.backend.default_sampling_params()
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         for s in stop:
-            _check_text(s, "stop")
+            errors.check_text(s, "stop")
         params = SamplingParams(
             n=body.n, max_tokens=max_tokens, min_tokens=body.min_tokens,
             temperature=defaults.temperature if body.temperature is None else float(body.temperature),
@@ -231,7 +231,7 @@ class Gateway:
         return [p[-k:] for p in prompts]
 
     def _encode(self, text: str, field_name: str) -> list[int]:
-        _check_text(text, field_name)
+        errors.check_text(text, field_name)
         tok = self.backend.tokenizer
         if self.config.allow_special_tokens:
             return tok.encode_prompt(text)
@@ -305,7 +305,7 @@ class Gateway:
 
     def _prepare_completion(self, body: CompletionRequest, tenant: Tenant) -> Prepared:
         if body.user is not None:
-            _check_text(body.user, "user")
+            errors.check_text(body.user, "user")
         raw = body.prompt
         if isinstance(raw, str):
             prompts = [self._encode(raw, "prompt")]
@@ -349,12 +349,8 @@ class Gateway:
 
     def _prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
         if body.user is not None:
-            _check_text(body.user, "user")
-        messages = []
-        for i, m in enumerate(body.messages):
-            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-            _check_text(content, f"messages[{i}].content")
-            messages.append({"role": m.role, "content": content} | ({"name": m.name} if m.name else {}))
+            errors.check_text(body.user, "user")
+        messages = chat_render.template_messages(body.messages)
         tok = self.backend.tokenizer
         plan, messages, template_vars = tool_calling.plan(body, self.config.tools, tok, messages)
         prompts = self._truncate([chat_render.render(tok, messages, body, template_vars,
@@ -484,13 +480,3 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
             raise errors.bad_request(f"logit_bias: keys must be token ids, got {key[:32]!r}", "logit_bias")
         out[int(key)] = float(value)
     return out
-
-
-
-def _check_text(text: str, field_name: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise errors.bad_request(f"{field_name}: contains invalid Unicode (a lone surrogate at {e.start})",
-                                 field_name) from e
-

@@ -61,8 +61,7 @@ async def tokenize(body: TokenizeRequest, request: Request, tenant: Annotated[Te
             if body.add_special_tokens:  # the ids a completion of this prompt runs on
                 return gateway._encode(body.prompt, "prompt")
             return tok.encode_plain(body.prompt, add_special_tokens=False)
-        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                     "".join(p.text for p in m.content or [])} for m in body.messages]
+        messages = chat_render.template_messages(body.messages)
         gateway._check_prompt_bytes([m["content"] for m in messages], "messages")
         return chat_render.render(tok, messages, body, {}, gateway.config.allow_special_tokens)
 

@@ -112,6 +112,14 @@ class ChatMessage(_Strict):
     name: Annotated[str, Field(max_length=256)] | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools (gateway/structured/tools.py)
     tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # tool turns: the call answered
+    # Fields of the assistant messages OpenAI and vLLM return, so that a reply appended to the history as
+    # the client got it is accepted: the thinking reaches the template (Qwen3's reads it); refusal and
+    # annotations are dropped; audio and the deprecated function_call only as null.
+    reasoning_content: str | None = None
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, ToolFields, ChatTemplateFields):  # chat_render.py

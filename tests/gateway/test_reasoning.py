@@ -128,3 +128,28 @@ def test_a_template_that_opens_the_block_makes_the_output_thinking(tmp_path):
         assert _streamed(c, **kwargs) == (message.model_extra["reasoning_content"], message.content, [])
     finally:
         gw.stop()
+
+
+def test_a_reply_appended_to_the_history_as_returned_is_accepted(qwen3_gateway):
+    """The common client loop, `messages.append(response.choices[0].message)`, sends back the reply's
+    own fields (reasoning_content among them): the next turn is served, and a template that reads
+    the thinking gets it."""
+    c = _client(qwen3_gateway)
+    messages = list(MESSAGES)
+    reply = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0.0,
+                                      extra_body={"guided_regex": THINK_THEN_ANSWER}).choices[0].message
+    assert reply.model_extra["reasoning_content"]
+    messages += [reply, {"role": "user", "content": "And tomorrow?"}]
+    nxt = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    assert nxt.choices[0].finish_reason == "length"
+    from kvrelay.gateway.chat_render import template_messages
+    from kvrelay.gateway.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [
+        MESSAGES[0], reply.model_dump(exclude_unset=True)]})
+    assert template_messages(body.messages)[1]["reasoning_content"] == reply.model_extra["reasoning_content"]
+    for field, value in (("function_call", {"name": "f", "arguments": "{}"}), ("audio", {"id": "a"})):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+                MESSAGES[0], {"role": "assistant", "content": "x", field: value}, {"role": "user", "content": "y"}])
+        assert e.value.body["param"] == f"messages[1].{field}" and "not supported" in e.value.body["message"]
