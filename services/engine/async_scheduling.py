@@ -182,8 +182,9 @@ class AsyncScheduling:
             keep = [j for j, i in enumerate(sample_idx) if step.seqs[i].status is not FINISHED]
             sample_idx = [sample_idx[j] for j in keep]
             # A tensor, or a parallel worker's reply with rows it sampled (parallel/remote_sampling.py)
-            logits = logits.index_select(0, to_device(keep, logits.device)) if isinstance(
-                logits, torch.Tensor) else logits.keep(keep)
+            if keep:
+                logits = logits.index_select(0, to_device(keep, logits.device, torch.int64)) if isinstance(
+                    logits, torch.Tensor) else logits.keep(keep)
         if not sample_idx:
             return _InFlight(step.seqs, [], [], None, None, f.scores, _copied(eng.runner.device))
         seqs = [step.seqs[i] for i in sample_idx]

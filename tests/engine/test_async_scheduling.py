@@ -209,6 +209,24 @@ def test_grammars_and_logits_processors_sample_late_with_the_synchronous_outputs
     assert len(ids) == 30 and all(a != b for a, b in itertools.pairwise(ids))
 
 
+def test_a_late_sampled_step_whose_every_row_finished_meanwhile_samples_nothing():
+    """One grammar request alone: its last step's forward was launched before the token that ended
+    it was read, so the late sample has no row left (it crashed on an empty index before)."""
+    outs = []
+    for overlapped in (False, True):
+        engine = make_engine(BUNDLED_MODEL, async_scheduling=overlapped)
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0,
+                                                      structured=GuidedSpec("regex", "[0-9]{3}")), "r")
+        ids, reason = [], None
+        while engine.has_work():
+            for o in engine.step():
+                ids += o.new_token_ids
+                reason = o.finish_reason or reason
+        outs.append((ids, reason))
+        assert engine.pool.num_free == engine.pool.num_blocks
+    assert outs[1] == outs[0] and outs[0][1] == "stop"
+
+
 def test_aborts_mid_flight_free_everything_and_leave_the_others_alone():
     engine_kw = {"enable_prefix_caching": False}
     sync = _collect(make_engine(BUNDLED_MODEL, **engine_kw), _requests())
