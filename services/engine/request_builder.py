@@ -120,7 +120,9 @@ class RequestBuilderMixin:
                 or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0
                 or bool(params.logits_processors),
                 processors=logits_processors.instantiate(params.logits_processors),
-                grammar=None if grammar is None else GrammarState(grammar.deep_copy(), self.tokenizer.vocab_size),
+                grammar=None if grammar is None else GrammarState(
+                    grammar.deep_copy(), self.tokenizer.vocab_size, params.structured.think_tokens,
+                    params.structured.thinking),
                 prompt_lps=[None] * (len(ids) - 1) if params.prompt_logprobs is not None and index == 0 else None,
             )
             self._next_seq_id += 1

@@ -110,6 +110,10 @@ class SamplingParams:
                                             or self.structured.kind not in KINDS
                                             or not isinstance(self.structured.value, str)):
             bad("structured_outputs", f"must name one of {sorted(KINDS)} with a text value")
+        think = None if self.structured is None else self.structured.think_tokens
+        if think is not None and (len(think) != 2 or not all(
+                isinstance(t, int) and 0 <= t < (vocab_size or 2**31) for t in think)):
+            bad("structured_outputs", f"think tokens must be two token ids below the vocab size, got {think!r}")
 
     def _validate_logit_bias(self, vocab_size: int | None, bad) -> None:
         bias = self.logit_bias

@@ -152,6 +152,10 @@ class Tokenizer:
             table = self._piece_tables[skip_special_tokens] = PieceTable(self, skip_special_tokens)
         return table
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary (added tokens too), by its text; None if there is none."""
+        return self._tk.token_to_id(token)
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(token_id)
 

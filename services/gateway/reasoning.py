@@ -10,16 +10,20 @@ Both parsers read a `<think>...</think>` block at the start of the output:
 Text after `</think>` is the answer (tool calls are read from it). Output that ends while still
 thinking (max_tokens) is all reasoning, with `content` null.
 
-A grammar (structured output, forced tool calls) constrains the output from its first token, so the
-model cannot think first unless the grammar allows a think block: such output is reasoning only if it
-opens the block itself. (vLLM instead starts the grammar after the reasoning.)
+A grammar (structured output, forced tool calls) waits for the thinking, as in vLLM, when the
+tokenizer has `<think>` and `</think>` as tokens of their own (`grammar_after_thinking`): the first
+token may open the block (or the prompt did), and the grammar applies after its end. Such output is
+reasoning only if it opens the block itself or the prompt did, as the engine sees it.
 
 Streaming holds back text that may still be the start of a tag, as stop strings are held back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from kvrelay.engine.structured.spec import GuidedSpec
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
@@ -83,9 +87,20 @@ def _partial_tail(text: str, tag: str) -> int:
     return 0
 
 
+def _opened(prompt_text: str) -> bool:
+    return prompt_text.rstrip().endswith(START)
+
+
 def plan(parser: str | None, prompt_text: str, constrained: bool) -> ReasoningSplit | None:
     """The split for one chat request; None without a parser. prompt_text: the rendered prompt's end."""
     if parser is None:
         return None
-    opened = prompt_text.rstrip().endswith(START)
-    return ReasoningSplit(opened or (parser == "deepseek_r1" and not constrained))
+    return ReasoningSplit(_opened(prompt_text) or (parser == "deepseek_r1" and not constrained))
+
+
+def grammar_after_thinking(spec: GuidedSpec, tokenizer, prompt_text: str) -> GuidedSpec:
+    """spec, set to wait for the thinking when the think tags are single tokens (else unchanged)."""
+    start, end = tokenizer.token_to_id(START), tokenizer.token_to_id(END)
+    if start is None or end is None:
+        return spec
+    return dataclasses.replace(spec, think_tokens=(start, end), thinking=_opened(prompt_text))

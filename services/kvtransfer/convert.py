@@ -26,7 +26,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.logit_bias.update(p.logit_bias)
     if p.structured is not None:
         s = p.structured
-        msg.structured.CopyFrom(common_pb2.GuidedSpec(kind=s.kind, value=s.value, field=s.field))
+        msg.structured.CopyFrom(common_pb2.GuidedSpec(kind=s.kind, value=s.value, field=s.field,
+                                                      think_tokens=list(s.think_tokens or ()), thinking=s.thinking))
     return msg
 
 
@@ -39,7 +40,8 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     p.logit_bias = dict(msg.logit_bias) or None
     if msg.HasField("structured"):
         s = msg.structured
-        p.structured = GuidedSpec(s.kind, s.value, s.field or "structured_outputs")
+        p.structured = GuidedSpec(s.kind, s.value, s.field or "structured_outputs",
+                                  tuple(s.think_tokens) if s.think_tokens else None, s.thinking)
     return p
 
 

@@ -153,3 +153,30 @@ def test_a_reply_appended_to_the_history_as_returned_is_accepted(qwen3_gateway):
             c.chat.completions.create(model=MODEL, max_tokens=2, messages=[
                 MESSAGES[0], {"role": "assistant", "content": "x", field: value}, {"role": "user", "content": "y"}])
         assert e.value.body["param"] == f"messages[1].{field}" and "not supported" in e.value.body["message"]
+
+
+def test_a_grammar_waits_for_the_thinking_when_the_tags_are_tokens(tmp_path):
+    """With <think> and </think> in the vocabulary the grammar is set to wait for the thinking (the
+    engine's side: tests/engine/test_structured_thinking.py); without them it is left alone."""
+    import json
+    import shutil
+
+    from kvrelay.engine.structured.spec import GuidedSpec
+    from kvrelay.engine.tokenizer import Tokenizer
+    from kvrelay.gateway.reasoning import grammar_after_thinking
+
+    from kvrelay.models import BUNDLED_MODEL
+
+    spec = GuidedSpec("json", "{}", "response_format")
+    assert grammar_after_thinking(spec, Tokenizer(BUNDLED_MODEL), "assistant: <think>\n") is spec
+    model = tmp_path / "m"
+    shutil.copytree(BUNDLED_MODEL, model)
+    config = json.loads((model / "tokenizer.json").read_text())
+    config["added_tokens"] += [{"id": 512 + i, "content": tag, "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": False}
+                               for i, tag in enumerate(("<think>", "</think>"))]
+    (model / "tokenizer.json").write_text(json.dumps(config))
+    tok = Tokenizer(model)
+    opened = grammar_after_thinking(spec, tok, "assistant: <think>\n")
+    assert (opened.think_tokens, opened.thinking, opened.key()) == ((512, 513), True, spec.key())
+    assert grammar_after_thinking(spec, tok, "assistant:").thinking is False

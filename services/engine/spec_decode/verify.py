@@ -38,10 +38,11 @@ def _target_probs(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
 def speculates(seq: Sequence) -> bool:
     """Whether seq's sampling can be verified here: penalties and plugin logits processors depend
     on every earlier token, so a sequence with them samples one token per step. A grammar's mask
-    depends on them too, but a fork of its matcher follows the proposals (_mask)."""
+    depends on them too, but a fork of its matcher follows the proposals (_mask), once it constrains
+    every token (not while a reasoning model thinks before it)."""
     p = seq.params
     return (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and not seq.processors and (seq.grammar is None or not seq.grammar.failed))
+            and not seq.processors and (seq.grammar is None or seq.grammar.constraining))
 
 
 def _adjust(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:

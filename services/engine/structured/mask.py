@@ -17,26 +17,47 @@ log = logging.getLogger(__name__)
 
 
 class GrammarState:
-    """One sequence's matcher and how many of its generated tokens the matcher has consumed."""
+    """One sequence's matcher and how many of its generated tokens it has seen.
 
-    __slots__ = ("consumed", "failed", "matcher", "vocab")
+    With a reasoning model's think tokens (GuidedSpec.think_tokens) the grammar waits for the
+    thinking to end: phase "first" (the first token may open a think block, or is the grammar's),
+    "thinking" (unconstrained up to the end token), then "grammar" (every token constrained)."""
 
-    def __init__(self, matcher, vocab: int):
+    __slots__ = ("consumed", "failed", "matcher", "phase", "think", "vocab")
+
+    def __init__(self, matcher, vocab: int, think: tuple[int, int] | None = None, thinking: bool = False):
         self.matcher = matcher
         self.vocab = vocab  # the tokenizer's vocabulary: the bits the matcher fills
         self.consumed = 0
         self.failed = False  # a token outside the grammar entered the sequence: only EOS is allowed
+        self.think = think
+        self.phase = "grammar" if think is None else "thinking" if thinking else "first"
+
+    @property
+    def constraining(self) -> bool:
+        """Every next token follows the matcher (speculation can then be verified against it)."""
+        return self.phase == "grammar" and not self.failed
 
     def sync(self, output_ids: list[int]) -> None:
         self.advance(output_ids[self.consumed :])
 
     def advance(self, tokens: list[int]) -> None:
         """Consume tokens that entered the sequence (after the `consumed` already seen)."""
+        self.consumed += len(tokens)
+        if self.phase != "grammar" and tokens:
+            start, end = self.think
+            skip = 0
+            if self.phase == "first":
+                self.phase, skip = ("thinking", 1) if tokens[0] == start else ("grammar", 0)
+            if self.phase == "thinking":
+                if end not in tokens[skip:]:
+                    return
+                self.phase, skip = "grammar", tokens.index(end, skip) + 1
+            tokens = tokens[skip:]
         if tokens and not self.failed and self.matcher.try_consume_tokens(tokens) != len(tokens):
             log.warning("structured output: a token outside the grammar was appended (%s); ending the "
                         "sequence", self.matcher.get_error() or "not allowed")
             self.failed = True
-        self.consumed += len(tokens)
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of tokens, proposed to follow what the matcher has consumed, the grammar accepts
@@ -56,11 +77,22 @@ def apply(logits: torch.Tensor, rows: list[int], seqs: list, stop_ids: list[froz
     min_tokens bans EOS, or a failed matcher) gets its stop ids back, so sampling never sees an
     all -inf row.
     """
-    matchers = []
     for seq in seqs:
         seq.grammar.sync(seq.output_ids)
-        matchers.append(None if seq.grammar.failed else seq.grammar.matcher)
-    mask_rows(logits, rows, matchers, stop_ids, seqs[0].grammar.vocab, any(s.adjusts_logits for s in seqs))
+    masked = [k for k, seq in enumerate(seqs) if seq.grammar.phase != "thinking"]  # thinking: unconstrained
+    if not masked:
+        return
+    if len(masked) < len(seqs):
+        rows, seqs, stop_ids = [rows[k] for k in masked], [seqs[k] for k in masked], [stop_ids[k] for k in masked]
+    bitmask = new_bitmask(len(rows), seqs[0].grammar.vocab)
+    for k, seq in enumerate(seqs):
+        state = seq.grammar
+        fill(bitmask[k], None if state.failed else state.matcher)
+        if state.phase == "first":  # or the token that opens a think block
+            start = state.think[0]
+            bitmask[k].numpy().view(np.uint32)[start // 32] |= np.uint32(1 << (start % 32))
+    apply_bitmask(logits, rows, bitmask, stop_ids, seqs[0].grammar.vocab,
+                  any(s.adjusts_logits or s.grammar.failed for s in seqs))
 
 
 def new_bitmask(rows: int, grammar_vocab: int) -> torch.Tensor:

@@ -25,6 +25,11 @@ class GuidedSpec:
     value: str
     # The request field that carried it (response_format, guided_json, ...): named in a 400.
     field: str = "structured_outputs"
+    # A reasoning model's think block (start id, end id), which the grammar lets through first (as
+    # vLLM does with a reasoning parser): the grammar applies after the end token, and the first
+    # token may open the block. thinking: the prompt opened it, so the output starts inside it.
+    think_tokens: tuple[int, int] | None = None
+    thinking: bool = False
 
     def key(self) -> tuple[str, str]:
         """The compile cache key: the field does not change the grammar."""
