@@ -173,7 +173,7 @@ def test_auto_without_a_call_streams_the_same_text(auto_gateway):
     assert streamed == plain.message.content
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "pythonic"])
 def test_parsers_read_what_they_render(name):
     parser = get_parser(name)
     calls = [("get_weather", {"city": "Rome", "unit": "C"}), ("get_time", {"zone": "UTC"})]
@@ -182,6 +182,37 @@ def test_parsers_read_what_they_render(name):
     assert [(c.name, json.loads(c.arguments)) for c in parsed] == calls
     assert parser.parse("just words")[1] == []
     assert parser.parse(parser.render(calls)[:-3])[1] == []  # a cut call is text, not a call
+
+
+def test_pythonic_reads_literals_and_runs_nothing():
+    parser = get_parser("pythonic")
+    content, calls = parser.parse('<|python_start|>[search(query="café", limit=3, exact=True, tags=["a", None]), '
+                                  "now()]<|python_end|>")
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("search", {"query": "café", "limit": 3, "exact": True, "tags": ["a", None]}), ("now", {})]
+    for text in ('[__import__("os").system("true")]', "[f(x=open('/etc/passwd'))]", "[f(1)]", "[f(**{'a': 1})]",
+                 "[a.b(x=1)]", "[f(x={1, 2})]", "[]", "[f(x=1)", "[" * 5000 + "]" * 5000, "[f(x=1)] and more"):
+        assert parser.parse(text) == (text, []), text  # not a list of literal calls: text
+
+
+def test_pythonic_calls_through_the_server_streamed_or_not():
+    """--tool-call-parser pythonic with tool_choice auto; the tiny model's answer forced by a regex."""
+    gw = InProcessGateway(config=GatewayConfig(tools=tool_calling.ToolSettings("pythonic", True)))
+    try:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        kwargs = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 80,
+                  "temperature": 0.0, "extra_body": {"guided_regex": r'\[get_weather\(city="Paris", unit="C"\)\]'}}
+        whole = c.chat.completions.create(**kwargs).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None
+        call = whole.message.tool_calls[0].function
+        assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris", "unit": "C"})
+        streamed = [t for ch in c.chat.completions.create(**kwargs, stream=True) if ch.choices
+                    for t in ch.choices[0].delta.tool_calls or []]
+        assert [t.function.name for t in streamed if t.function.name] == ["get_weather"]
+        assert json.loads("".join(t.function.arguments or "" for t in streamed)) == {"city": "Paris", "unit": "C"}
+    finally:
+        gw.stop()
 
 
 def test_hermes_keeps_text_before_the_calls():

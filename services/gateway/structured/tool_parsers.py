@@ -3,7 +3,11 @@
 - `hermes` (Hermes, Qwen 2.5/3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one per call;
 - `llama3_json` (Llama 3.1-3.3): `{"name": ..., "parameters": {...}}`, calls separated by `;`,
   optionally after `<|python_tag|>`;
-- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`.
+- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`;
+- `pythonic` (Llama 3.2 and 4 with their pythonic templates, and others prompted so): the whole
+  answer is a Python list of calls with keyword arguments, `[get_weather(city="Paris"), now()]`,
+  optionally inside `<|python_start|>...<|python_end|>`. It is read with `ast` (never run): each
+  argument must be a literal.
 
 Each parser also says how a call is written (`render`), which the default tools system message and
 earlier assistant turns use when the chat template has no tool support, and which text prefix
@@ -12,6 +16,7 @@ means "a call may be starting" (`marker`), so a stream holds text back only whil
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass
@@ -129,7 +134,41 @@ class MistralParser(ToolParser):
         return self.marker + json.dumps([{"name": n, "arguments": a} for n, a in calls])
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+class PythonicParser(ToolParser):
+    name = "pythonic"
+    marker = "["
+    MAX_CHARS = 64 * 1024  # a longer answer is text: ast's recursion grows with nesting
+
+    def parse(self, text):
+        body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+        if not (body.startswith("[") and body.endswith("]")) or len(body) > self.MAX_CHARS:
+            return text, []
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return text, []
+            calls = [self._call(node) for node in tree.elts]
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return text, []
+        return (None, calls) if None not in calls else (text, [])
+
+    @staticmethod
+    def _call(node) -> ParsedCall | None:
+        """name(key=literal, ...) as a call; anything else (positional arguments, a dotted or computed
+        name, a non-literal value) is not one."""
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        if any(k.arg is None for k in node.keywords):  # **kwargs
+            return None
+        args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        return ParsedCall(node.func.id, json.dumps(args, ensure_ascii=False))
+
+    def render(self, calls):
+        return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls) + "]"
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
+                                                             PythonicParser)}
 
 
 def get_parser(name: str | None) -> ToolParser:
