@@ -15,7 +15,7 @@ chat request runs on.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.gateway import errors
@@ -31,6 +31,9 @@ class ChatTemplateFields(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI's field: given to the template as the variable `reasoning_effort` (as vLLM does; gpt-oss's
+    # template reads it), which templates that do not read it ignore.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 def template_messages(messages) -> list[dict]:
@@ -51,6 +54,11 @@ def template_messages(messages) -> list[dict]:
 def template_variables(body: ChatTemplateFields, server_vars: dict) -> dict:
     """The request's chat_template_kwargs joined with the server's own variables (tools)."""
     extra = body.chat_template_kwargs or {}
+    if body.reasoning_effort is not None:
+        if extra.get("reasoning_effort", body.reasoning_effort) != body.reasoning_effort:
+            raise errors.bad_request("chat_template_kwargs: its reasoning_effort differs from the request's "
+                                     "reasoning_effort: send one", "chat_template_kwargs")
+        extra = extra | {"reasoning_effort": body.reasoning_effort}
     taken = sorted((RESERVED_VARIABLES | server_vars.keys()) & extra.keys())
     if taken:
         raise errors.bad_request(

@@ -99,6 +99,7 @@ class Prepared:
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs: each choice carries them
     priority: int = 0  # the request's own priority, bounded by its tenant's max_request_priority
     reasoning: reasoning.ReasoningSplit | None = None  # chat with --reasoning-parser: thinking apart from content
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: every chunk carries the usage
 
     @property
     def engine_priority(self) -> int:
@@ -336,6 +337,7 @@ class Gateway:
         p.score_only = body.max_tokens == 0
         p.priority = _request_priority(body, tenant)
         p.prompt_logprobs = body.prompt_logprobs is not None
+        p.continuous_usage = p.include_usage and body.stream_options.continuous_usage_stats
         if body.echo:
             if echo_ids:
                 p.echo = [self.backend.tokenizer.decode(ids) for ids in prompts]
@@ -371,11 +373,13 @@ class Gateway:
         thinking = reasoning.plan(self.config.reasoning_parser, tail, constrained=params.structured is not None)
         if thinking is not None and params.structured is not None:
             params.structured = reasoning.grammar_after_thinking(params.structured, tok, tail)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
-                        body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                        body.logprobs, reserve, cache_salt=self.cache_salt(tenant, body.cache_salt), tools=plan,
+                        body.stream, include_usage, body.logprobs, reserve,
+                        cache_salt=self.cache_salt(tenant, body.cache_salt), tools=plan,
                         prompt_logprobs=body.prompt_logprobs is not None, priority=_request_priority(body, tenant),
-                        reasoning=thinking)
+                        reasoning=thinking,
+                        continuous_usage=include_usage and body.stream_options.continuous_usage_stats)
 
     # ------------------------------------------------------------------ admission
 

@@ -315,6 +315,8 @@ class GenerationResponse(Response):
             head = _json(self._chunk_base())[:-1] + ',"choices":'
             self._event_ends = ("data: " + head, (',"usage":null}' if self.p.include_usage else "}") + "\n\n")
         head, tail = self._event_ends
+        if self.p.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far on every chunk
+            tail = f',"usage":{_json(self._usage())}}}\n\n'
         return f"{head}[{_flat_json(choice)}]{tail}".encode()
 
     def _chunks(self, i: int, out) -> list[dict]:

@@ -28,6 +28,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 def _integral(value):
@@ -128,6 +129,10 @@ class ChatCompletionRequest(_SamplingFields, ToolFields, ChatTemplateFields):  #
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # OpenAI's, for clients that send them: accepted and ignored (nothing is stored, there are no tiers).
+    store: bool | None = None
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    service_tier: Annotated[str, Field(max_length=32)] | None = None
 
 
 # ---- responses (documented in the OpenAPI schema; handlers build the same shapes as dicts) ----

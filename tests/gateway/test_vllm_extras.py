@@ -131,7 +131,8 @@ def thinking_gateway(tmp_path_factory):
     model = tmp_path_factory.mktemp("thinking") / MODEL  # served under its folder's name
     shutil.copytree(BUNDLED_MODEL, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    config["chat_template"] = ("{% if reasoning_effort is defined %}Effort: {{ reasoning_effort }}\n{% endif %}"
+                               "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                                "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and "
                                "not enable_thinking %} Quick answer:{% endif %}{% endif %}")
     (model / "tokenizer_config.json").write_text(json.dumps(config))
@@ -158,6 +159,42 @@ def test_chat_template_kwargs_reach_the_template(thinking_gateway):
         assert repr(name) in _bad(lambda name=name: c.chat.completions.create(
             **GREEDY, messages=messages, max_tokens=2, extra_body={"chat_template_kwargs": {name: 1}}),
             "chat_template_kwargs")
+
+
+def test_reasoning_effort_reaches_the_template_as_a_variable(thinking_gateway):
+    """OpenAI's reasoning_effort, as vLLM passes it (gpt-oss's template reads it)."""
+    c = openai.OpenAI(base_url=thinking_gateway.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    ids = _ids(thinking_gateway, messages=messages, reasoning_effort="low")
+    text = httpx.post(thinking_gateway.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text.startswith("Effort: low\nuser: Tell me a story")
+    chat = c.chat.completions.create(**GREEDY, messages=messages, max_tokens=2, reasoning_effort="low")
+    assert chat.usage.prompt_tokens == len(ids)
+    _bad(lambda: c.chat.completions.create(**GREEDY, messages=messages, max_tokens=2, reasoning_effort="low",
+                                           extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}}),
+         "chat_template_kwargs")
+
+
+def test_openai_fields_without_meaning_here_are_accepted(client):
+    chat = client.chat.completions.create(**GREEDY, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          store=False, metadata={"team": "a"}, service_tier="auto")
+    assert chat.usage.completion_tokens == 2
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    for kind in ("completion", "chat"):
+        kwargs = {**GREEDY, "max_tokens": 6, "stream": True,
+                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        chunks = list(client.completions.create(prompt=PROMPT, **kwargs) if kind == "completion" else
+                      client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kwargs))
+        usages = [c.usage for c in chunks]
+        assert all(u is not None for u in usages), kind
+        counts = [u.completion_tokens for u in usages]
+        assert counts == sorted(counts) and counts[-1] == 6 and counts[0] < 6
+        assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+        plain = list(client.completions.create(prompt=PROMPT, **{**kwargs, "stream_options": {
+            "continuous_usage_stats": True}})) if kind == "completion" else []
+        assert all(c.usage is None for c in plain)  # as in vLLM: only with include_usage
 
 
 def test_the_chat_template_flag_replaces_the_models_template(tmp_path):
