@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from kvrelay.gateway import (
     errors,
     hooks,
+    responses_api,
     routes_chat,
     routes_completions,
     routes_metrics,
@@ -98,7 +99,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         gateway.metrics.errors.labels("500").inc()
         return ApiError(500, "Internal server error", "server_error", code="internal_error").response()
 
-    for module in (routes_completions, routes_chat, routes_models, routes_metrics, routes_tokenize):
+    for module in (routes_completions, routes_chat, responses_api, routes_models, routes_metrics, routes_tokenize):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=gateway.config.max_body_bytes)
     app.add_middleware(HeaderCountLimit, max_headers=gateway.config.frontdoor.max_headers)

@@ -223,7 +223,7 @@ class GenerationResponse(Response):
         await send({"type": "http.response.start", "status": 200, "headers": raw})
         # One body message per engine output (all its events); the last output's events go out with
         # the usage chunk and [DONE], in the stream's final message.
-        samples, finished, held = len(p.prompts) * p.params.n, 0, b""
+        samples, finished, held = len(p.prompts) * p.params.n, 0, self._opening()
         i, out = first
         while True:
             data = held + b"".join(map(self._event, self._chunks(i, out)))
@@ -240,9 +240,16 @@ class GenerationResponse(Response):
                     with contextlib.suppress(OSError):
                         await send(_body(held))
                 raise
-        if p.include_usage:
-            held += _sse(self._chunk_base() | {"choices": [], "usage": self._usage()})
-        await send(_body(held + _sse("[DONE]"), more=False))
+        await send(_body(held + self._closing(), more=False))
+
+    def _opening(self) -> bytes:
+        """What a stream sends before its first chunk (the Responses API's writer sends events)."""
+        return b""
+
+    def _closing(self) -> bytes:
+        """What a stream sends after its last chunk: the usage chunk if asked for, then [DONE]."""
+        tail = _sse(self._chunk_base() | {"choices": [], "usage": self._usage()}) if self.p.include_usage else b""
+        return tail + _sse("[DONE]")
 
     # -- turning engine outputs into OpenAI shapes
 

@@ -82,6 +82,20 @@ def test_deadline_mid_stream_is_an_sse_error_event(capped_gateway):
     assert wait_until(lambda: _engine_idle(capped_gateway))
 
 
+def test_deadline_mid_stream_of_a_response_is_an_error_event_then_failed(capped_gateway):
+    """The Responses API's stream (responses_writer.py) ends with `error` and `response.failed`."""
+    body = {"model": MODEL, "input": "Tell me a story", "max_output_tokens": 480, "temperature": 0.0, "stream": True}
+    with httpx.stream("POST", capped_gateway.url + "/v1/responses", json=body, timeout=30,
+                      headers={"Authorization": "Bearer k-hasty"}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["code"] == "request_timeout" and events[-1]["response"]["status"] == "failed"
+    assert any(e["type"] == "response.output_text.delta" for e in events)  # text had been streamed before it
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert wait_until(lambda: _engine_idle(capped_gateway))
+
+
 def test_tenant_request_timeout_is_validated():
     with pytest.raises(TenantConfigError, match="request_timeout_s"):
         parse_tenants({"tenants": [{"id": "a", "request_timeout_s": 0}]})
