@@ -180,3 +180,26 @@ def test_a_grammar_waits_for_the_thinking_when_the_tags_are_tokens(tmp_path):
     opened = grammar_after_thinking(spec, tok, "assistant: <think>\n")
     assert (opened.think_tokens, opened.thinking, opened.key()) == ((512, 513), True, spec.key())
     assert grammar_after_thinking(spec, tok, "assistant:").thinking is False
+
+
+def test_the_responses_api_carries_the_thinking_as_a_reasoning_item():
+    """A template that opens the block and output that never closes it: all thinking, a `reasoning`
+    item (streamed as reasoning_text events) and no message."""
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: <think>\n{% endif %}")
+    gw = InProcessGateway(config=GatewayConfig(reasoning_parser="qwen3", chat_template=template))
+    try:
+        c = _client(gw)
+        kwargs = {"model": MODEL, "input": "Tell me a story", "max_output_tokens": 10, "temperature": 0.0}
+        r = c.responses.create(**kwargs)
+        thought = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me a story"}],
+                                            max_tokens=10, temperature=0.0).choices[0].message
+        assert [o.type for o in r.output] == ["reasoning"] and thought.content is None
+        assert r.output[0].content[0].text == thought.model_extra["reasoning_content"]
+        events = list(c.responses.create(**kwargs, stream=True))
+        deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert deltas == r.output[0].content[0].text == events[-1].response.output[0].content[0].text
+        assert {e.type for e in events} >= {"response.output_item.added", "response.reasoning_text.done",
+                                            "response.output_item.done", "response.completed"}
+    finally:
+        gw.stop()
