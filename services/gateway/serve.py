@@ -35,6 +35,7 @@ from kvrelay import interrupt
 from kvrelay.log_format import add_log_arguments, setup_logging
 
 log = logging.getLogger(__name__)
+SHUTDOWN_TIMEOUT_S = 25.0  # under Kubernetes' default 30 s grace, so requests finish before a SIGKILL
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:
@@ -98,6 +99,10 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="the chat template to use instead of the model's own: a jinja2 file, or the template "
                              "itself in one line (as vLLM takes it)")
+    parser.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
+                        help="on SIGTERM, seconds that requests in flight have to finish (new connections are "
+                             "refused at once) before the rest are aborted; keep it under the pod's "
+                             "terminationGracePeriodSeconds (30 by default)")
     parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
                         help="seconds from a request's arrival to its deadline (a tenant's request_timeout_s caps "
                              "it; 0: none); on expiry every hop aborts it and the client gets a 504, or an SSE "
@@ -144,7 +149,8 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
     limits = app.state.gateway.config.frontdoor
     # log_config=None: uvicorn's loggers go through the root handler (setup_logging: text or JSON).
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=False, timeout_graceful_shutdown=5, log_config=None,
+                                           access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
+                                           log_config=None,
                                            **uvicorn_options(limits)))
     lost: list[str] = []
     backend = app.state.gateway.backend

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 
 NODE_NAME_ENV = "KVRELAY_NODE_NAME"
+SHUTDOWN_GRACE_S = 25.0  # --shutdown-timeout: under Kubernetes' default 30 s grace
 
 
 @dataclass
@@ -95,6 +96,10 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
                              "/health and /ready")
     parser.add_argument("--watchdog-grace", dest="watchdog_grace_s", type=float, default=d.watchdog_grace_s,
                         help="seconds a hung worker stays up (unhealthy) before it exits with code 1 to be restarted")
+    parser.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_GRACE_S,
+                        help="on SIGTERM, seconds the worker drains: it reports draining (gateways send it "
+                             "nothing new) while its streams in flight finish, then aborts the rest; keep it under "
+                             "the pod's terminationGracePeriodSeconds (30 by default)")
     parser.add_argument("--max-message-bytes", type=parse_bytes, default=d.max_message_bytes,
                         help="largest gRPC message, KV chunks included (default 4MiB)")
     parser.add_argument("--model-revision", default=None,
@@ -253,7 +258,7 @@ async def serve_forever(worker_cls, args: argparse.Namespace) -> int:
     if interrupt.requested():  # Ctrl+C while loading, swallowed by a library (kvrelay.interrupt)
         stop.set()
     print(f"kvrelay {worker.role} listening on {args.host}:{port} model={worker.layout.describe()}", flush=True)
-    return await run_until_stopped(worker, stop)
+    return await run_until_stopped(worker, stop, args.shutdown_timeout)
 
 
 async def run_until_stopped(worker: WorkerBase, stop: asyncio.Event, grace_s: float = 5.0) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -119,6 +120,38 @@ def test_serve_stops_on_ctrl_c_and_sigterm_with_code_0_and_no_traceback(sig, tmp
         server.stop()
     log = (tmp_path / "serve.log").read_text()
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+
+
+@pytest.mark.parametrize("timeout", ["60", "0"])
+def test_sigterm_lets_streams_in_flight_finish_within_the_shutdown_timeout(timeout, tmp_path):
+    """A rolling update: SIGTERM while a long stream runs. With time to finish (--shutdown-timeout
+    60), the client gets every token and [DONE]; with none (0), the stream is cut. Either way the
+    server exits 0."""
+    import httpx
+
+    server = GatewayProcess(["--shutdown-timeout", timeout], tmp_path / "serve.log")
+    body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 480, "n": 8, "ignore_eos": True,
+            "temperature": 0.0, "stream": True}
+    events: list[str] = []
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            events.append(next(line for line in lines if line.startswith("data: ")))
+            server.proc.send_signal(signal.SIGTERM)  # after the first chunk: the stream is in flight
+            try:
+                events += [line for line in lines if line.startswith("data: ")]
+            except httpx.HTTPError:  # the server closed the connection mid-stream
+                pass
+        assert server.proc.wait(90) == 0
+    finally:
+        server.stop()
+    finished = [json.loads(e[6:])["choices"][0] for e in events if e != "data: [DONE]"]
+    finished = [c for c in finished if c["finish_reason"]]
+    if timeout == "60":
+        assert events[-1] == "data: [DONE]" and len(finished) == 8
+        assert {c["finish_reason"] for c in finished} == {"length"}
+    else:
+        assert events[-1] != "data: [DONE]" and len(finished) < 8
 
 
 def _stopped(proc: subprocess.Popen, timeout: float, failure: str) -> str:

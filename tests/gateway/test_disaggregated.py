@@ -304,3 +304,34 @@ def test_next_turn_goes_back_to_the_decode_worker_holding_the_conversation():
     finally:
         for w in started:
             w.stop()
+
+
+def test_a_decode_worker_stopped_by_sigterm_finishes_its_streams_first():
+    """A rolling update of decode workers: SIGTERM with --shutdown-timeout 60 lets the stream in flight
+    end with every token (the worker reports draining meanwhile), then the worker exits 0."""
+    import json
+    import signal
+
+    prefill, decode = WorkerProcess("prefill"), WorkerProcess("decode", "--shutdown-timeout", "60")
+    backend = DisaggregatedBackend(prefill.address, decode.address, str(BUNDLED_MODEL))
+    gw = InProcessGateway(backend=backend)
+    try:
+        deadline = time.monotonic() + 30
+        while not backend.decode.live() or not backend.prefill.live():
+            assert time.monotonic() < deadline, "workers never reported their load"
+            time.sleep(0.05)
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480, "n": 4, "ignore_eos": True,
+                "temperature": 0.0, "stream": True}
+        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=120) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            events = [next(lines)]
+            decode.proc.send_signal(signal.SIGTERM)
+            events += list(lines)
+        assert events[-1] == "data: [DONE]"
+        finished = [c for e in events[:-1] for c in json.loads(e[6:])["choices"] if c["finish_reason"]]
+        assert sorted(c["finish_reason"] for c in finished) == ["length"] * 4
+        assert decode.proc.wait(60) == 0
+    finally:
+        gw.stop()
+        for w in (prefill, decode):
+            w.stop()
