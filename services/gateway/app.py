@@ -28,6 +28,7 @@ from kvrelay.gateway.frontdoor import HeaderCountLimit
 from kvrelay.gateway.gateway import Gateway, GatewayConfig
 from kvrelay.gateway.middleware import BodyLimit
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 __all__ = ["Gateway", "GatewayConfig", "create_app"]
 
@@ -103,5 +104,11 @@ def create_app(gateway: Gateway) -> FastAPI:
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=gateway.config.max_body_bytes)
     app.add_middleware(HeaderCountLimit, max_headers=gateway.config.frontdoor.max_headers)
-    app.add_middleware(AccessLog)  # added last: outermost, so it sees every status, 413 and 431 included
+    app.add_middleware(AccessLog)  # added last but CORS: outermost, so it sees every status, 413 and 431 included
+    if gateway.config.allowed_origins:  # browsers then read every answer, errors included
+        app.add_middleware(CORSMiddleware, allow_origins=gateway.config.allowed_origins,
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                           expose_headers=["x-request-id", "retry-after", *(
+                               f"x-ratelimit-{k}-{w}" for k in ("limit", "remaining", "reset")
+                               for w in ("requests", "tokens"))])
     return app

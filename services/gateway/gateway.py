@@ -72,6 +72,7 @@ class GatewayConfig:
     request_timeout_s: float | None = 600.0  # every request's deadline, capped per tenant; None: none
     chat_template: str | None = None  # --chat-template: jinja2 source replacing the model's own
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning.PARSERS
+    allowed_origins: list[str] = field(default_factory=list)  # --allowed-origins: CORS for browsers; []: none
 
 
 @dataclass

@@ -99,6 +99,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="the chat template to use instead of the model's own: a jinja2 file, or the template "
                              "itself in one line (as vLLM takes it)")
+    parser.add_argument("--allowed-origins", default="", metavar="ORIGIN,...",
+                        help="origins whose browser pages may call the API (CORS), comma-separated, e.g. "
+                             "https://app.example.com, or * for any; default: none")
     parser.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
                         help="on SIGTERM, seconds that requests in flight have to finish (new connections are "
                              "refused at once) before the rest are aborted; keep it under the pod's "
@@ -134,6 +137,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          request_timeout_s=args.request_timeout or None,
                          chat_template=chat_render.load_template(args.chat_template) if args.chat_template else None,
                          reasoning_parser=args.reasoning_parser,
+                         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
                          frontdoor=FrontDoorLimits(args.max_header_bytes, args.max_headers, args.header_timeout,
                                                    args.max_connections_per_client))
 

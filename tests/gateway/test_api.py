@@ -207,3 +207,36 @@ def test_health_ready_metrics_pass_promtool(open_gateway, client):
     unexpected = [p for p in problems if not p.endswith("metric names should not contain ':'")]
     assert unexpected == [], unexpected
     assert json.dumps(problems)  # at least parsed
+
+
+def test_cors_lets_the_allowed_origins_read_every_answer():
+    """--allowed-origins: a browser page of an allowed origin passes the preflight and reads answers,
+    errors included; another origin gets no CORS headers; without the flag there are none."""
+    from gateway_helpers import InProcessGateway
+    from kvrelay.gateway.gateway import GatewayConfig
+
+    allowed, other = "https://app.example", "https://evil.example"
+    gw = InProcessGateway(config=GatewayConfig(allowed_origins=[allowed]))
+    try:
+        preflight = {"access-control-request-method": "POST",
+                     "access-control-request-headers": "authorization,content-type"}
+        r = httpx.options(gw.url + "/v1/chat/completions", headers={"origin": allowed, **preflight})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == allowed
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        assert "access-control-allow-origin" not in httpx.options(
+            gw.url + "/v1/chat/completions", headers={"origin": other, **preflight}).headers
+        ok = httpx.post(gw.url + "/v1/completions", headers={"origin": allowed},
+                        json={"model": MODEL, "prompt": "Once", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == allowed
+        assert "x-request-id" in ok.headers["access-control-expose-headers"]
+        bad = httpx.post(gw.url + "/v1/completions", headers={"origin": allowed}, json={"model": MODEL})
+        assert bad.status_code == 400 and bad.headers["access-control-allow-origin"] == allowed
+    finally:
+        gw.stop()
+
+
+def test_without_allowed_origins_there_are_no_cors_headers(open_gateway):
+    r = httpx.post(open_gateway.url + "/v1/completions", headers={"origin": "https://app.example"},
+                   json={"model": MODEL, "prompt": "Once", "max_tokens": 2})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
