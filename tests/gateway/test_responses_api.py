@@ -119,3 +119,32 @@ def test_input_items_become_the_chat_conversation():
             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "one"},
         {"role": "tool", "tool_call_id": "c2", "content": "two"}]
+
+
+def test_text_then_a_call_streams_as_a_message_item_then_a_function_call_item(open_gateway):
+    """What an `auto` tool parser streams (text, then a call at the end) becomes a message item closed
+    before the function_call item opens; the completed Response holds both with the streamed ids."""
+    from kvrelay.gateway.responses_api import to_chat
+    from kvrelay.gateway.responses_writer import ResponsesResponse
+
+    gateway = open_gateway.gateway
+    body = ResponsesRequest.model_validate({"model": MODEL, "input": "hi", "stream": True})
+    writer = ResponsesResponse(gateway, gateway._prepare_chat(to_chat(body), gateway.tenants.authenticate(None)), {})
+    deltas = [{"role": "assistant", "content": ""}, {"content": "Sure, "}, {"content": "checking."},
+              {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "get_weather", "arguments": ""}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Rome"}'}}]}]
+    wire = writer._opening() + b"".join(writer._event({"index": 0, "delta": d}) for d in deltas) + writer._closing()
+    events = [json.loads(block.split("\ndata: ", 1)[1]) for block in wire.decode().strip().split("\n\n")]
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    message, call = events[-1]["response"]["output"]
+    assert message["content"][0]["text"] == "Sure, checking." and message["id"] == events[2]["item"]["id"]
+    assert (call["call_id"], call["name"], call["arguments"]) == ("call_1", "get_weather", '{"city": "Rome"}')
+    assert call["id"] == events[9]["item"]["id"] and events[9]["output_index"] == 1
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
