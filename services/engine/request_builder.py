@@ -91,6 +91,8 @@ class RequestBuilderMixin:
         # only token its mask then allows): constrained output always stops there.
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos and grammar is None else self.eos_ids)
+        allowed = None if params.allowed_token_ids is None else to_device(
+            sorted(set(params.allowed_token_ids)), self.device, torch.int64)
         ban_ids = None
         if params.min_tokens > 0 and stop_ids:
             ban_ids = to_device(sorted(stop_ids), self.device, torch.int64)
@@ -115,9 +117,10 @@ class RequestBuilderMixin:
                 cache_root=root,
                 stop_ids=stop_ids,
                 ban_ids=ban_ids,
+                allowed_ids=allowed,
                 logit_bias=bias,
                 adjusts_logits=params.repetition_penalty != 1.0 or bool(params.presence_penalty)
-                or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0
+                or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0 or allowed is not None
                 or bool(params.logits_processors),
                 processors=logits_processors.instantiate(params.logits_processors),
                 grammar=None if grammar is None else GrammarState(

@@ -123,9 +123,11 @@ def _per_row(values: list, owner: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 
 
 def _adjust(row: torch.Tensor, seq: Sequence) -> None:
-    """Logit bias, the min_tokens ban on stop tokens and logits processors, on one row in place
-    (after the penalties)."""
+    """allowed_token_ids, logit bias, the min_tokens ban on stop tokens and logits processors, on one
+    row in place (after the penalties)."""
     p = seq.params
+    if seq.allowed_ids is not None:
+        allow(row, seq.allowed_ids)
     if seq.logit_bias is not None:
         ids, values = seq.logit_bias
         row[ids] += values.to(row.dtype)
@@ -133,6 +135,13 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> None:
         row.index_fill_(0, seq.ban_ids, float("-inf"))
     if seq.processors:
         apply_processors(seq.processors, seq.output_ids, row)
+
+
+def allow(rows: torch.Tensor, ids: torch.Tensor) -> None:
+    """Every token of rows' last dimension but ids to -inf, in place (a row, or a sequence's rows)."""
+    keep = rows.index_select(-1, ids)
+    rows.fill_(float("-inf"))
+    rows.index_copy_(-1, ids, keep)
 
 
 def to_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -33,6 +33,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob plus top-k (vLLM)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the stop string, or stop token's text, ends the text
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these ids
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     # Plugin logits processors by name, with their arguments (kvrelay.engine.logits_processors).
     logits_processors: dict[str, dict] | None = None
@@ -95,6 +96,11 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"token ids must be < vocab size {vocab_size}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, list) or not allowed or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < (vocab_size or 2**31) for t in allowed)):
+            bad("allowed_token_ids", "must be a non-empty list of token ids"
+                + (f" below the vocab size {vocab_size}" if vocab_size else ""))
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):

@@ -58,7 +58,9 @@ class Sequence:
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     # stop_ids on the engine's device, for the min_tokens ban; None without min_tokens.
     ban_ids: torch.Tensor | None = None
-    # Penalties, logit bias or a min_tokens ban apply: the sampler edits this row before sampling.
+    # params.allowed_token_ids, sorted and distinct, on the engine's device: every other token is out.
+    allowed_ids: torch.Tensor | None = None
+    # Penalties, logit bias, allowed ids or a min_tokens ban apply: the sampler edits this row first.
     adjusts_logits: bool = False
     # Instances of the request's plugin logits processors, applied to this sequence's rows.
     processors: list = field(default_factory=list)

@@ -186,6 +186,7 @@ class Gateway:
             stop=stop, ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=_logit_bias(body.logit_bias),
             stop_token_ids=list(body.stop_token_ids or []), skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            allowed_token_ids=None if body.allowed_token_ids is None else list(body.allowed_token_ids),
             logits_processors=logits_processors.normalise(body.logits_processors),
             structured=checked(requested_spec(body), self.backend.tokenizer),
             prompt_logprobs=body.prompt_logprobs,

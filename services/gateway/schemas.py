@@ -80,6 +80,7 @@ class _SamplingFields(StructuredFields):  # structured-output fields: gateway/st
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
+    allowed_token_ids: Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=1, max_length=2**17)] | None = None
 
 
 class CompletionRequest(_SamplingFields):

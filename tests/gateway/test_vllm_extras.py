@@ -85,6 +85,22 @@ def test_skip_special_tokens_false_keeps_the_end_of_sequence_text(client):
     assert outs == {True: "", False: "</s>"}
 
 
+def test_allowed_token_ids_restrict_what_is_sampled(open_gateway, client):
+    tok = open_gateway.gateway.backend.tokenizer
+    pieces = [p for p in ("\u2581the", "\u2581a", "\u2581big", "\u2581dog", ".", ",") if tok.token_to_id(p) is not None]
+    assert len(pieces) >= 4
+    allowed, texts = [tok.token_to_id(p) for p in pieces], {p.replace("\u2581", " ") for p in pieces}
+    for kwargs in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 5}):
+        choice = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, logprobs=0, **kwargs,
+                                           extra_body={"allowed_token_ids": allowed}).choices[0]
+        assert set(choice.logprobs.tokens) <= texts, choice.logprobs.tokens
+    chat = client.chat.completions.create(**GREEDY, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          logprobs=True, extra_body={"allowed_token_ids": allowed})
+    assert {t.token for t in chat.choices[0].logprobs.content} <= texts
+    assert "512" in _bad(lambda: client.completions.create(
+        **GREEDY, prompt=PROMPT, max_tokens=2, extra_body={"allowed_token_ids": [512]}), "allowed_token_ids")
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(open_gateway, client):
     ids = _ids(open_gateway, prompt=PROMPT)
     whole = client.completions.create(**GREEDY, prompt=ids[-6:], max_tokens=8)

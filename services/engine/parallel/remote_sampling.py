@@ -73,8 +73,8 @@ def plan(seqs: list[Sequence], sample_idx: list[int], token_src: dict[int, int] 
     for j, i in enumerate(sample_idx):
         seq = seqs[i]
         p = seq.params
-        if seq.grammar is not None or seq.processors:
-            continue  # reads the matcher or the plugins' state: sampled on the driver
+        if seq.grammar is not None or seq.processors or seq.allowed_ids is not None:
+            continue  # reads the matcher or the plugins' state, or masks all but a few ids: the driver samples it
         penalties = penalties_of(seq)
         if penalties is not None:
             output = penalties.output

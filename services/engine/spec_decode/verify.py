@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 from kvrelay.engine.outputs import TokenLogprob
-from kvrelay.engine.sampler import _draw, _filter
+from kvrelay.engine.sampler import _draw, _filter, allow
 from kvrelay.engine.sequence import Sequence
 from kvrelay.engine.structured.mask import apply_bitmask, fill, new_bitmask
 
@@ -46,7 +46,9 @@ def speculates(seq: Sequence) -> bool:
 
 
 def _adjust(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """The sampler's logit bias and min_tokens ban, for the token at each row's position."""
+    """The sampler's allowed ids, logit bias and min_tokens ban, for the token at each row's position."""
+    if seq.allowed_ids is not None:
+        allow(rows, seq.allowed_ids)
     if seq.logit_bias is not None:
         ids, values = seq.logit_bias
         rows[:, ids] += values.to(rows.dtype)
