@@ -39,13 +39,14 @@ def test_greedy_among_the_allowed_ids_equals_transformers():
     assert set(seeded) <= set(ALLOWED)
 
 
-def test_speculation_keeps_the_restriction_and_the_tokens():
+def test_speculation_and_async_scheduling_keep_the_restriction_and_the_tokens():
     params = SamplingParams(max_tokens=24, temperature=0.0, allowed_token_ids=ALLOWED)
     plain = run_engine(make_engine(BUNDLED_MODEL), {"r": (PROMPT, params)})["r"]
     spec = make_engine(BUNDLED_MODEL, speculative_method="ngram", num_speculative_tokens=4, ngram_min=1,
                        speculative_adaptive=False)
     assert run_engine(spec, {"r": (PROMPT, params)})["r"] == plain
     assert spec.speculator.stats.num_drafts > 0  # it did speculate
+    assert run_engine(make_engine(BUNDLED_MODEL, async_scheduling=True), {"r": (PROMPT, params)})["r"] == plain
 
 
 def test_validation_the_wire_and_the_parallel_worker():
