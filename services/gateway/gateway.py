@@ -371,10 +371,12 @@ class Gateway:
             if plan.choice == "auto" and self.config.tools.parser == "mistral":
                 params.skip_special_tokens = False  # its [TOOL_CALLS] marker is a special token
         reserve = self._fit_context(prompts, params, "messages")
-        tail = tok.decode(prompts[0][-8:], skip_special_tokens=False)  # does the prompt open a think block?
-        thinking = reasoning.plan(self.config.reasoning_parser, tail, constrained=params.structured is not None)
-        if thinking is not None and params.structured is not None:
-            params.structured = reasoning.grammar_after_thinking(params.structured, tok, tail)
+        thinking = None
+        if self.config.reasoning_parser is not None:
+            tail = tok.decode(prompts[0][-8:], skip_special_tokens=False)  # does the prompt open a think block?
+            thinking = reasoning.plan(self.config.reasoning_parser, tail, constrained=params.structured is not None)
+            if params.structured is not None:
+                params.structured = reasoning.grammar_after_thinking(params.structured, tok, tail)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
                         body.stream, include_usage, body.logprobs, reserve,

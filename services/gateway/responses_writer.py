@@ -12,11 +12,10 @@ max_output_tokens cut it), whose Response object holds the items as streamed, id
 
 from __future__ import annotations
 
-import json
 import uuid
 
 from kvrelay.gateway.errors import ApiError
-from kvrelay.gateway.response import GenerationResponse, _body
+from kvrelay.gateway.response import GenerationResponse, _body, _json
 
 
 def _id(prefix: str) -> str:
@@ -77,8 +76,7 @@ class ResponsesResponse(GenerationResponse):
     # -- the stream of events
 
     def _send(self, kind: str, **fields) -> bytes:
-        data = json.dumps({"type": kind, "sequence_number": self.sequence, **fields}, ensure_ascii=False,
-                          separators=(",", ":"))
+        data = _json({"type": kind, "sequence_number": self.sequence, **fields})  # the items as they are now
         self.sequence += 1
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
@@ -118,7 +116,7 @@ class ResponsesResponse(GenerationResponse):
     def _open_item(self, item: dict) -> bytes:
         self.items.append(item)
         self.open = True
-        return self._send("response.output_item.added", output_index=len(self.items) - 1, item=_copy(item))
+        return self._send("response.output_item.added", output_index=len(self.items) - 1, item=item)
 
     def _add(self, text: str) -> bytes:
         item, index = self.items[-1], len(self.items) - 1
@@ -146,7 +144,7 @@ class ResponsesResponse(GenerationResponse):
             out = self._send(kind, **where, content_index=0, text=part["text"])
             if item["type"] == "message":
                 out += self._send("response.content_part.done", **where, content_index=0, part=part)
-        return out + self._send("response.output_item.done", output_index=index, item=_copy(item))
+        return out + self._send("response.output_item.done", output_index=index, item=item)
 
     def _closing(self) -> bytes:
         # response.completed even when max_output_tokens cut it (its status says "incomplete"), as vLLM
@@ -165,10 +163,6 @@ class ResponsesResponse(GenerationResponse):
         await send(_body(self._send("error", code=error.get("code"), message=error["message"],
                                     param=error.get("param")) + self._send("response.failed", response=failed),
                          more=False))
-
-
-def _copy(item: dict) -> dict:
-    return json.loads(json.dumps(item))  # the event carries the item as it is now
 
 
 def _message(item_id: str, text: str, status: str) -> dict:

@@ -29,13 +29,12 @@ from kvrelay.gateway.structured.tool_parsers import PARSERS
 from kvrelay.gateway.structured.tools import ToolSettings
 from kvrelay.gateway.tenants import TenantConfigError, TenantRegistry
 from kvrelay.kvtransfer.watchdog import WatchdogConfig
-from kvrelay.kvtransfer.worker_base import PARENT_PID_ENV
+from kvrelay.kvtransfer.worker_base import PARENT_PID_ENV, SHUTDOWN_TIMEOUT_S
 
 from kvrelay import interrupt
 from kvrelay.log_format import add_log_arguments, setup_logging
 
 log = logging.getLogger(__name__)
-SHUTDOWN_TIMEOUT_S = 25.0  # under Kubernetes' default 30 s grace, so requests finish before a SIGKILL
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 NODE_NAME_ENV = "KVRELAY_NODE_NAME"
-SHUTDOWN_GRACE_S = 25.0  # --shutdown-timeout: under Kubernetes' default 30 s grace
+SHUTDOWN_TIMEOUT_S = 25.0  # --shutdown-timeout, every role: under Kubernetes' default 30 s grace
 
 
 @dataclass
@@ -96,7 +96,7 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
                              "/health and /ready")
     parser.add_argument("--watchdog-grace", dest="watchdog_grace_s", type=float, default=d.watchdog_grace_s,
                         help="seconds a hung worker stays up (unhealthy) before it exits with code 1 to be restarted")
-    parser.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_GRACE_S,
+    parser.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
                         help="on SIGTERM, seconds the worker drains: it reports draining (gateways send it "
                              "nothing new) while its streams in flight finish, then aborts the rest; keep it under "
                              "the pod's terminationGracePeriodSeconds (30 by default)")

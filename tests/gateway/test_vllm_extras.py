@@ -56,7 +56,7 @@ def test_stop_strings_end_the_text_with_or_without_themselves(client):
 def test_stop_token_ids_end_generation_and_are_reported(open_gateway, client):
     free = client.completions.create(**GREEDY, prompt=PROMPT, max_tokens=8, logprobs=0).choices[0]
     pieces = [t.replace(" ", "\u2581") for t in free.logprobs.tokens[:3]]  # SentencePiece's word marker
-    first, second, stop_id = (open_gateway.gateway.backend.tokenizer._tk.token_to_id(p) for p in pieces)
+    first, second, stop_id = (open_gateway.gateway.backend.tokenizer.token_to_id(p) for p in pieces)
     assert stop_id is not None and stop_id not in (first, second)
     for keep in (False, True):
         choice = client.completions.create(**GREEDY, prompt=PROMPT, max_tokens=8, extra_body={
@@ -65,7 +65,7 @@ def test_stop_token_ids_end_generation_and_are_reported(open_gateway, client):
         assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (expected, "stop", stop_id)
     chat = {**GREEDY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     first = client.chat.completions.create(**chat, logprobs=True).choices[0].logprobs.content[0].token
-    first_id = open_gateway.gateway.backend.tokenizer._tk.token_to_id(first.replace(" ", "\u2581"))
+    first_id = open_gateway.gateway.backend.tokenizer.token_to_id(first.replace(" ", "\u2581"))
     stopped = client.chat.completions.create(**chat, extra_body={"stop_token_ids": [first_id]})
     assert stopped.usage.completion_tokens == 1 and stopped.choices[0].message.content == ""
     assert (stopped.choices[0].finish_reason, stopped.choices[0].model_extra["stop_reason"]) == ("stop", first_id)

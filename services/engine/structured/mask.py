@@ -84,15 +84,10 @@ def apply(logits: torch.Tensor, rows: list[int], seqs: list, stop_ids: list[froz
         return
     if len(masked) < len(seqs):
         rows, seqs, stop_ids = [rows[k] for k in masked], [seqs[k] for k in masked], [stop_ids[k] for k in masked]
-    bitmask = new_bitmask(len(rows), seqs[0].grammar.vocab)
-    for k, seq in enumerate(seqs):
-        state = seq.grammar
-        fill(bitmask[k], None if state.failed else state.matcher)
-        if state.phase == "first":  # or the token that opens a think block
-            start = state.think[0]
-            bitmask[k].numpy().view(np.uint32)[start // 32] |= np.uint32(1 << (start % 32))
-    apply_bitmask(logits, rows, bitmask, stop_ids, seqs[0].grammar.vocab,
-                  any(s.adjusts_logits or s.grammar.failed for s in seqs))
+    states = [seq.grammar for seq in seqs]
+    mask_rows(logits, rows, [None if s.failed else s.matcher for s in states], stop_ids, states[0].vocab,
+              any(s.adjusts_logits for s in seqs),
+              also=[s.think[0] if s.phase == "first" else None for s in states])  # or the token opening a think block
 
 
 def new_bitmask(rows: int, grammar_vocab: int) -> torch.Tensor:
@@ -109,9 +104,10 @@ def fill(bitmask_row: torch.Tensor, matcher) -> None:
 
 
 def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list, stop_ids: list[frozenset[int]],
-              grammar_vocab: int, suspect: bool = False) -> None:
+              grammar_vocab: int, suspect: bool = False, also: list[int | None] | None = None) -> None:
     """Mask logits[rows] (fp32, in place) to what matchers[k] allows next (None: a failed grammar,
-    only stop ids). `suspect`: a ban or bias may have left only -inf among the allowed tokens."""
+    only stop ids), and token also[k] where it is set. `suspect`: a ban or bias may have left only
+    -inf among the allowed tokens."""
     bitmask = new_bitmask(len(rows), grammar_vocab)
     # One row at a time on this thread: a row costs microseconds, and llguidance's parallel
     # executor keeps worker threads spinning after each batch, which took the CPU from the forward
@@ -119,6 +115,8 @@ def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list, stop_ids: l
     # llguidance.torch does: importing that module compiles its applier (seconds).
     for k, matcher in enumerate(matchers):
         fill(bitmask[k], matcher)
+        if also is not None and also[k] is not None:
+            bitmask[k].numpy().view(np.uint32)[also[k] // 32] |= np.uint32(1 << (also[k] % 32))
     apply_bitmask(logits, rows, bitmask, stop_ids, grammar_vocab, suspect or None in matchers)
 
 
