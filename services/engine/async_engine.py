@@ -226,7 +226,7 @@ class AsyncEngine:
         res = None
         num_blocks = -(-len(prompt_ids) // self.engine.args.block_size)
         if early_start:
-            probed = self.engine.probe_cached_blocks(prompt_ids, cache_salt)
+            probed = self.engine.probe_cached_blocks(prompt_ids, cache_salt, params.lora)
             # A pool that cannot hold the prompt now is told by the reservation, before any prefill
             # starts (read off the engine thread: a hint, which a reservation failing later overrides).
             if self.engine.pool.num_free < num_blocks - probed:

@@ -26,9 +26,12 @@ def hash_block(parent_hash: int, token_ids) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def cache_root(salt: str | None) -> int:
+def cache_root(salt: str | None, lora: str | None = None) -> int:
     """The parent key of a prompt's first block. A salt (the tenant's cache group and the request's
-    `cache_salt`) gives its requests a prefix cache of their own: other salts neither hit nor time it."""
+    `cache_salt`) gives its requests a prefix cache of their own: other salts neither hit nor time it.
+    A LoRA adapter's K/V differ from the base model's: its name salts the key too."""
+    if lora:
+        salt = f"{salt or ''}\x00lora:{lora}"
     if not salt:
         return ROOT_HASH
     return int.from_bytes(hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")

@@ -108,6 +108,10 @@ class EngineArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
     plugins: str | None = None  # "a,b": load only these plugins (default: $KVRELAY_PLUGINS, else all)
+    # LoRA adapters served beside the model (kvrelay.engine.lora): "NAME=PATH" (or vLLM's JSON) each.
+    lora_modules: list[str] | None = None
+    enable_lora: bool = False  # vLLM's flag: accepted, and --lora-modules must name the adapters
+    max_lora_rank: int = 16  # adapters of a higher rank are refused at start-up
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -230,6 +234,14 @@ class EngineArgs:
             help="load only these plugins (entry-point or package names, comma-separated; default: "
             "$KVRELAY_PLUGINS, else every installed one)",
         )
+        parser.add_argument(
+            "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+            help="LoRA adapters (PEFT folders) to serve beside the model: a request whose model is NAME runs "
+            "with that adapter; also vLLM's JSON form '{\"name\": ..., \"path\": ...}'",
+        )
+        parser.add_argument("--enable-lora", action="store_true", help="vLLM's flag; --lora-modules names the adapters")
+        parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                            help="refuse adapters of a higher rank r")
 
     @staticmethod
     def cli_flags(args: argparse.Namespace) -> list[str]:
@@ -247,6 +259,8 @@ class EngineArgs:
                 argv.append(flag if value else "--no-" + flag[2:])
             elif action.nargs == 0:  # store_true / store_false: present means "not the default"
                 argv.append(flag)
+            elif isinstance(value, list):  # nargs="+"
+                argv += [flag, *map(str, value)]
             else:
                 argv += [flag, str(value)]
         return argv

@@ -109,14 +109,14 @@ class HandoffMixin:
                 self.scheduler.finish(seq, "abort")
         return held
 
-    def probe_cached_blocks(self, prompt_ids: list[int], cache_salt: str | None = None) -> int:
+    def probe_cached_blocks(self, prompt_ids: list[int], cache_salt: str | None = None, lora: str | None = None) -> int:
         """How many of the prompt's leading full blocks the prefix cache holds now, as reserve()
         would find them. Safe off the engine thread (it only reads the cache's index, under the
         GIL), but the answer may be stale by the time reserve() runs: see max_cached_blocks."""
         if not self.pool.enable_prefix_caching:
             return 0
         bs, cached = self.args.block_size, self.pool.cached
-        parent, n = cache_root(cache_salt), 0
+        parent, n = cache_root(cache_salt, lora), 0
         for start in range(0, len(prompt_ids) - bs + 1, bs):  # hashed only up to the first miss
             parent = hash_block(parent, prompt_ids[start:start + bs])
             if parent not in cached:

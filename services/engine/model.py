@@ -31,6 +31,8 @@ class StepBatch:
     # When every prefill chunk starts at position 0: its longest chunk (the chunks may attend over
     # their own K/V alone, KernelOps.fresh_prefill_attention); else 0.
     prefill_fresh_max_len: int = 0
+    # LoRA: (adapter index, its rows of T, None for all) per adapter in the step; None: base model only.
+    lora: list[tuple[int, torch.Tensor | None]] | None = None
 
 
 class DecoderModel:
@@ -79,6 +81,8 @@ class DecoderModel:
         # Optional fn(layer_idx, batch), called right after each layer wrote its K/V into the cache
         # (prefill workers stream early layers while later ones compute). None: no cost.
         self.layer_hook = None
+        self.adapters = None  # the LoRA adapters served (kvrelay.engine.lora.stacked.LoRASet), if any
+        self.lora_plan = None  # the step's StepBatch.lora, while forward runs
 
     def _linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.scale is not None:
@@ -90,6 +94,8 @@ class DecoderModel:
             out = self.ops.packed_linear(x, lin.packed, lin.bias)
         else:
             out = F.linear(x, lin.weight, lin.bias)
+        if lin.lora is not None and self.lora_plan:
+            out = lin.lora.add(x, out, self.lora_plan)
         return all_reduce(out) if lin.all_reduce else out
 
     def mlp(self, layer_idx: int, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +106,11 @@ class DecoderModel:
     def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Runs the step, writing new K/V into kv_cache; returns fp32 logits [S, vocab]."""
         self.begin_step(batch.slot_mapping)
-        hidden, residual = self.run_layers(batch, kv_cache, self.embed(batch.input_ids), None)
+        self.lora_plan = batch.lora
+        try:
+            hidden, residual = self.run_layers(batch, kv_cache, self.embed(batch.input_ids), None)
+        finally:
+            self.lora_plan = None
         logits = self.compute_logits(batch, hidden, residual)
         self.end_step()
         return logits

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from kvrelay.engine import architectures
+from kvrelay.engine.lora import load_lora_set
 from kvrelay.engine.model import DecoderModel
 from kvrelay.engine.model_config import ModelConfig
 from kvrelay.engine.weights import assemble, dummy_tensors, pack_linears, quantize_linears, read_tensors
@@ -33,5 +34,8 @@ def load_model(args, model_dir: Path, config: ModelConfig, dtype: torch.dtype, d
     elif args.quantization is not None:
         raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {args.quantization!r}")
     pack_linears(weights, ops.prepack_linear)
+    adapters = load_lora_set(args, config, weights, dtype)
     build_model = architectures.get(config.architecture).build_model or DecoderModel
-    return build_model(config, weights, ops, max_model_len)
+    model = build_model(config, weights, ops, max_model_len)
+    model.adapters = adapters
+    return model

@@ -42,6 +42,16 @@ class RequestBuilderMixin:
                 )
         return list(prompt)
 
+    def adapter_index(self, name: str | None) -> int:
+        """The index of a LoRA adapter by name (-1 for None: the base model)."""
+        if name is None:
+            return -1
+        adapters = getattr(self.model, "adapters", None)
+        if adapters is None or name not in adapters.index:
+            served = ", ".join(adapters.names) if adapters is not None else "none"
+            raise InvalidRequestError(f"lora: no LoRA adapter {name!r} is loaded (loaded: {served})", field="model")
+        return adapters.index[name]
+
     def make_request(
         self,
         prompt: str | list[int],
@@ -84,7 +94,8 @@ class RequestBuilderMixin:
                     to_device(list(params.logit_bias.values()), self.device, torch.float32))
         if params.prompt_logprobs is not None:  # every position must be computed: no prefix-cache hits
             cache_salt = f"{cache_salt or ''}\x00prompt-logprobs:{secrets.token_hex(8)}"
-        root = cache_root(cache_salt)
+        adapter = self.adapter_index(params.lora)
+        root = cache_root(cache_salt, params.lora)
         # A cache hit when the caller compiled off this thread first (AsyncEngine does).
         grammar = self.grammars.get(params.structured) if params.structured is not None else None
         # ignore_eos drops EOS only; explicit stop_token_ids still apply. A grammar's end is EOS (the
@@ -115,6 +126,7 @@ class RequestBuilderMixin:
                 wait_for=seqs[0] if seqs else None,
                 hold_blocks=hold_blocks,
                 cache_root=root,
+                lora=adapter,
                 stop_ids=stop_ids,
                 ban_ids=ban_ids,
                 allowed_ids=allowed,

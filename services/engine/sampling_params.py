@@ -39,6 +39,9 @@ class SamplingParams:
     logits_processors: dict[str, dict] | None = None
     # Structured output: the grammar the output must follow (kvrelay.engine.structured).
     structured: GuidedSpec | None = None
+    # The LoRA adapter (its --lora-modules name) that generates; None: the base model. Not sampling
+    # proper, but it travels with the request everywhere these parameters do.
+    lora: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -120,6 +123,8 @@ class SamplingParams:
         if think is not None and (len(think) != 2 or not all(
                 isinstance(t, int) and 0 <= t < (vocab_size or 2**31) for t in think)):
             bad("structured_outputs", f"think tokens must be two token ids below the vocab size, got {think!r}")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            bad("lora", f"must be an adapter's name, got {self.lora!r}")
 
     def _validate_logit_bias(self, vocab_size: int | None, bad) -> None:
         bias = self.logit_bias

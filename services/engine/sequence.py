@@ -42,6 +42,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_hashes: list[int] = field(default_factory=list)  # keys of full blocks, computed lazily
     cache_root: int = 0  # parent key of the first block: block_pool.cache_root(the request's salt)
+    lora: int = -1  # index of its LoRA adapter in the engine's LoRASet; -1: the base model
     num_registered: int = 0  # leading blocks registered in the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     first_admitted: bool = False

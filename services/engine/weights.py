@@ -27,6 +27,7 @@ class Linear:
     scale: torch.Tensor | None = None  # set when weight is int8 or float8_e4m3fn
     packed: PackedWeight | None = None
     all_reduce: bool = False  # row-parallel (tensor parallel): the output is a partial sum over ranks
+    lora: Any = None  # the served LoRA adapters' stacks for this projection (kvrelay.engine.lora.stacked)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from kvrelay.v1 import common_pb2
 
 _PLAIN = ("n", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
           "presence_penalty", "frequency_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
-_OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
+_OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "lora")
 
 
 def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:

@@ -409,8 +409,10 @@ def start_executor(args, config, dtype: torch.dtype, device: torch.device, kerne
                    kv_cache_storage=None, spec=None) -> MultiprocExecutor:
     """The executor for EngineArgs' parallel sizes, after the checks that need no worker."""
     from kvrelay.engine import architectures
+    from kvrelay.engine.lora import check_lora_args
     from kvrelay.engine.model import DecoderModel
 
+    check_lora_args(args)
     build_model = architectures.get(config.architecture).build_model
     if build_model is not None and not (isinstance(build_model, type) and issubclass(build_model, DecoderModel)):
         raise ValueError(f"{config.architecture} runs its own model class: --tensor-parallel-size and "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from kvrelay.engine.lora.stacked import step_plan
 from kvrelay.engine.model import StepBatch
 from kvrelay.engine.sequence import Sequence, Status
 
@@ -134,12 +135,13 @@ class InputBatch:
 
     def build(self, seqs: list[Sequence], num_new: list[int], pad_decode_to: int | None = None,
               all_logits: frozenset[int] = frozenset(), prompt_rows: frozenset[int] = frozenset(),
-              token_src: dict[int, int] | None = None) -> BuiltStep:
+              token_src: dict[int, int] | None = None, adapters: list[int] | None = None) -> BuiltStep:
         """pad_decode_to: a decode-only step padded to this many rows (CUDA graph buckets); padding
         rows write no K/V (slot -1) and attend to nothing (length 0). all_logits: indices of seqs
         whose every new token gets a row of logits (speculative verification), not only the last.
         token_src: index in seqs -> index in the previous step's sampled tokens, for decodes whose
-        input token the host does not know yet (see BuiltStep.token_src)."""
+        input token the host does not know yet (see BuiltStep.token_src). adapters: per sequence of
+        seqs, its LoRA adapter's index or -1 (StepBatch.lora); None when none has one."""
         bs = self.bs
         # Decode rows: single-token decodes, and the short extend chunks of speculative verification
         # (all_logits), one row per token: the row at position p attends to the cache up to p, which
@@ -284,5 +286,10 @@ class InputBatch:
             logits_indices=v(lg_off, (num_logits,), torch.int64),
             prefill_fresh_max_len=int(pre_counts.max()) if pre and not pre_starts.any() else 0,
         )
+        if adapters is not None:
+            per_seq = np.asarray(adapters, dtype=np.int64)
+            per_token = np.concatenate([np.repeat(per_seq[dec], 1 if counts_dec is None else counts_dec),
+                                        np.full(pad, -1, dtype=np.int64), np.repeat(per_seq[pre], pre_counts)])
+            batch.lora = step_plan(per_token, self.device)
         src_dev = None if src_off is None else v(src_off, (nd,), torch.int64)
         return BuiltStep(batch, sample_idx, nd, rows_per_sample, prompt_spans, src_dev)

@@ -34,6 +34,7 @@ class ModelRunner:
         # Plain steps' rows are sampled on the worker that has the logits (parallel/remote_sampling.py),
         # and execute() may return its RemoteLogits; benchmarks turn it off for their baseline.
         self.sample_on_worker = self.parallel
+        self.has_lora = getattr(model, "adapters", None) is not None  # serves LoRA adapters (kvrelay.engine.lora)
 
     def capture_graphs(self, sizes: list[int] | None = None) -> CaptureReport:
         if self.device.type != "cuda":
@@ -60,7 +61,8 @@ class ModelRunner:
             finally:  # the reply is read even if meanwhile fails: the pipes stay in step
                 logits = self.model.collect()
             return logits
-        size = None if self.piecewise is None else self.piecewise.bucket(batch.input_ids.shape[0])
+        # Graphs hold no adapter deltas: a step with LoRA rows runs eagerly.
+        size = None if self.piecewise is None or batch.lora else self.piecewise.bucket(batch.input_ids.shape[0])
         if size is None:
             logits = self.model.forward(batch, self.kv_cache)
         else:
@@ -91,10 +93,15 @@ class ModelRunner:
         meanwhile: host work to run once while the forward runs, called exactly once: with the
         parallel executor between sending the step and reading its logits (the workers compute), in
         one process after the forward's call returns (on CUDA its launch; on CPU its compute)."""
-        size = None if all_logits or prompt_rows else self._graph_size(num_new)
+        adapters = [s.lora for s in seqs] if self.has_lora else None
+        if adapters is not None and all(k < 0 for k in adapters):
+            adapters = None
+        size = None if all_logits or prompt_rows or adapters else self._graph_size(num_new)
         extra = {"prompt_rows": prompt_rows} if prompt_rows else {}  # the common call keeps build's old signature
         if token_src:
             extra["token_src"] = token_src
+        if adapters:
+            extra["adapters"] = adapters
         built = self.inputs.build(seqs, num_new, pad_decode_to=size, all_logits=all_logits, **extra)
         if built.token_src is not None:  # on the device, so nothing waits for the previous step
             ids = built.batch.input_ids[: built.token_src.shape[0]]
