@@ -25,9 +25,11 @@ Implementations:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, Protocol
 
 from kvrelay.engine.outputs import EngineStats, RequestOutput
@@ -50,6 +52,7 @@ class Backend(Protocol):
     tokenizer: Any
     roles: tuple[str, ...]  # role labels of the queue-depth metric: ("engine",) or ("prefill", "decode")
     capacity: int
+    lora_modules: dict[str, Path]  # the LoRA adapters served, by name (kvrelay.engine.lora)
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                  priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]: ...
@@ -128,6 +131,12 @@ class LocalBackend:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @functools.cached_property
+    def lora_modules(self) -> dict[str, Path]:
+        from kvrelay.engine.lora.adapter import parse_lora_modules
+
+        return parse_lora_modules(getattr(self.engine_args, "lora_modules", None) or [])
 
     @property
     def tokenizer(self):

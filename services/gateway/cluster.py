@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=str(BUNDLED_MODEL),
                         help="model folder the workers serve: the gateway reads its tokenizer and configs only")
     parser.add_argument("--served-model-name", default=None, help="model id clients use (default: folder name)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="the LoRA adapters the workers serve (give them the same flag): a request whose model "
+                             "is NAME runs with that adapter; the gateway reads only the names")
     parser.add_argument("--dns-refresh", type=float, default=5.0, help="seconds between DNS re-resolutions")
     parser.add_argument("--routing-policy", default=None,
                         help="a routing policy from a kvrelay.routing plugin (default: the built-in prefix-cache "
@@ -59,9 +62,11 @@ def add_message_size_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def build_backend(args: argparse.Namespace, prefill: str, decode: str):
+    from kvrelay.engine.lora.adapter import parse_lora_modules
     from kvrelay.gateway.disaggregated import DisaggregatedBackend
 
     return DisaggregatedBackend(prefill, decode, args.model, args.served_model_name,
+                                lora_modules=parse_lora_modules(args.lora_modules or []),
                                 capacity=args.capacity or 256, dns_refresh_s=args.dns_refresh,
                                 routing_policy=getattr(args, "routing_policy", None),
                                 stall=StallConfig(max_s=args.stall_timeout),

@@ -43,9 +43,9 @@ class DisaggregatedBackend:
                  capacity: int = 256, dns_refresh_s: float = 5.0, eject_after_s: float = 1.0,
                  load_interval_s: float = 0.2, routing_policy: str | None = None,
                  stall: StallConfig | None = None, breaker: BreakerConfig | None = None,
-                 max_message_bytes: int | None = None):
+                 max_message_bytes: int | None = None, lora_modules: dict[str, Path] | None = None):
         """max_message_bytes: the largest gRPC message read from or sent to a decode worker (the workers'
-        --max-message-bytes; None: the default, 4 MiB)."""
+        --max-message-bytes; None: the default, 4 MiB). lora_modules: the workers' LoRA adapters by name."""
         from kvrelay.kvtransfer import client  # noqa: F401 - fail early if the workers' client is missing
         from kvrelay.kvtransfer.layout import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -54,6 +54,7 @@ class DisaggregatedBackend:
         self.model_dir = Path(model)
         self.tokenizer = Tokenizer(self.model_dir)
         self._served_model_name = served_model_name
+        self.lora_modules = lora_modules or {}
         self._reported_model_id: str | None = None
         self.capacity = capacity
         self.load_interval_s = load_interval_s
@@ -181,7 +182,7 @@ class DisaggregatedBackend:
         ids = prompt if isinstance(prompt, list) else self.tokenizer.encode_prompt(prompt)
         # Affinity on the salted keys: the same keys the workers' caches hold and publish.
         hashes = prompt_block_hashes(ids[: MAX_AFFINITY_BLOCKS * self._block_size], self._block_size,
-                                     cache_root(cache_salt))
+                                     cache_root(cache_salt, params.lora))
         tried: set[str] = set()
         last_error: Exception | None = None
         for _ in range(DECODE_ATTEMPTS):

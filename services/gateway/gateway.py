@@ -162,8 +162,10 @@ class Gateway:
     # ------------------------------------------------------------------ validation
 
     def check_model(self, model: str, tenant: Tenant) -> None:
-        if model != self.backend.model_name:
-            raise errors.model_not_found(model, [self.backend.model_name])
+        """The served model or one of its LoRA adapters (each a model of its own to tenants' allow lists)."""
+        adapters = self.backend.lora_modules
+        if model != self.backend.model_name and model not in adapters:
+            raise errors.model_not_found(model, [self.backend.model_name, *adapters])
         if not tenant.may_use(model):
             raise errors.forbidden(f"Tenant {tenant.id!r} may not use model {model!r}", "model")
 
@@ -190,6 +192,7 @@ class Gateway:
             logits_processors=logits_processors.normalise(body.logits_processors),
             structured=checked(requested_spec(body), self.backend.tokenizer),
             prompt_logprobs=body.prompt_logprobs,
+            lora=body.model if body.model in self.backend.lora_modules else None,
         )
         try:
             params.validate(self.backend.tokenizer.vocab_size)

@@ -14,23 +14,28 @@ from kvrelay.gateway.tenants import Tenant
 router = APIRouter()
 
 
-def _card(backend) -> dict:
-    return {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "kvrelay",
-            "max_model_len": backend.max_model_len}
+def _card(backend, model: str) -> dict:
+    """The served model's card, or a LoRA adapter's (with its folder and the model it runs on, as vLLM)."""
+    card = {"id": model, "object": "model", "created": 0, "owned_by": "kvrelay", "max_model_len": backend.max_model_len}
+    if model in backend.lora_modules:
+        card.update(root=str(backend.lora_modules[model]), parent=backend.model_name)
+    return card
 
 
-@router.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
+@router.get("/v1/models", response_model=ModelList, response_model_exclude_none=True,
+            responses={401: ERROR_RESPONSES[401]})
 async def models(request: Request, tenant: Annotated[Tenant, Depends(tenant_of)]):
     backend = gateway_of(request).backend
-    return {"object": "list", "data": [_card(backend)] if tenant.may_use(backend.model_name) else []}
+    names = [backend.model_name, *backend.lora_modules]
+    return {"object": "list", "data": [_card(backend, m) for m in names if tenant.may_use(m)]}
 
 
-@router.get("/v1/models/{model:path}", response_model=ModelCard,
+@router.get("/v1/models/{model:path}", response_model=ModelCard, response_model_exclude_none=True,
             responses={k: ERROR_RESPONSES[k] for k in (401, 403, 404)})
 async def model(model: str, request: Request, tenant: Annotated[Tenant, Depends(tenant_of)]):
     gateway = gateway_of(request)
     gateway.check_model(model, tenant)  # 404 naming the models served, or 403 for a model the tenant may not use
-    return _card(gateway.backend)
+    return _card(gateway.backend, model)
 
 
 @router.get("/version")

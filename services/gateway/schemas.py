@@ -218,6 +218,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = None  # vLLM's: a LoRA adapter's folder
+    parent: str | None = None  # vLLM's: the model a LoRA adapter runs on
 
 
 class ModelList(BaseModel):
