@@ -116,6 +116,7 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
                 "--served-model-name", spec.model.name, "--dtype", spec.model.dtype]
         if spec.model.quantization != "none":
             args += ["--quantization", spec.model.quantization]
+        args += _lora_args(spec)
         par = spec.role(role).parallelism
         if par.tensor > 1:
             args += ["--tensor-parallel-size", str(par.tensor)]
@@ -139,11 +140,18 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
             "--model", spec.model.uri,
             "--served-model-name", spec.model.name,
         ]
+        args += _lora_args(spec)  # the gateway reads the adapters' names
         if spec.redis_url or spec.redis_secret or config.default_redis_url:
             args += ["--redis-url", "$(KVRELAY_REDIS_URL)"]  # expanded by the kubelet from env
         if spec.tenants_secret:
             args += ["--tenants", f"{c.TENANTS_MOUNT_DIR}/{spec.tenants_secret.key}"]
     return args + list(spec.role(role).args)
+
+
+def _lora_args(spec: InferenceServiceSpec) -> list[str]:
+    if not spec.model.lora_adapters:
+        return []
+    return ["--lora-modules", *(f"{name}={uri}" for name, uri in spec.model.lora_adapters)]
 
 
 def _transport_args(role: str, transport: str) -> list[str]:

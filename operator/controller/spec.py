@@ -81,6 +81,8 @@ class ModelSpec:
     name: str
     dtype: str = "auto"
     quantization: str = "none"
+    # LoRA adapters served beside the model: (name clients send, folder inside the pod), in order.
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -261,6 +263,23 @@ def _secret_ref(value: Any, path: str, default_key: str) -> SecretRef | None:
     return SecretRef(name=str(src["name"]), key=str(src.get("key") or default_key))
 
 
+def _lora_adapters(model: Mapping[str, Any], model_name: str) -> tuple[tuple[str, str], ...]:
+    """spec.model.loraAdapters: [{name, uri}], each name a model of its own to clients."""
+    out: list[tuple[str, str]] = []
+    for i, item in enumerate(_list(model, "loraAdapters", "spec.model")):
+        path = f"spec.model.loraAdapters[{i}]"
+        item = _obj(item, path)
+        name, uri = item.get("name"), item.get("uri")
+        if not isinstance(name, str) or not re.fullmatch(r"[^=\s]+", name):
+            raise InvalidSpec(f"{path}.name must be a non-empty name without spaces or '=', got {name!r}")
+        if not isinstance(uri, str) or not uri.strip():
+            raise InvalidSpec(f"{path}.uri is required: the adapter's folder inside the pod")
+        if name == model_name or name in dict(out):
+            raise InvalidSpec(f"{path}.name {name!r} is already the name of the model or of another adapter")
+        out.append((name, uri))
+    return tuple(out)
+
+
 def parse_spec(spec: Mapping[str, Any] | None, resource_name: str) -> InferenceServiceSpec:
     """Parse and validate a resource's spec; raise InvalidSpec naming the first bad field."""
     spec = _obj(spec, "spec")
@@ -275,6 +294,7 @@ def parse_spec(spec: Mapping[str, Any] | None, resource_name: str) -> InferenceS
         name=str(model_src.get("name") or resource_name),
         dtype=_enum(model_src, "dtype", "spec.model", DTYPES),
         quantization=_enum(model_src, "quantization", "spec.model", QUANTIZATIONS),
+        lora_adapters=_lora_adapters(model_src, str(model_src.get("name") or resource_name)),
     )
     a = _obj(spec.get("autoscaling"), "spec.autoscaling")
     p = "spec.autoscaling"

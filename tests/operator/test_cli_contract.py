@@ -12,7 +12,8 @@ from kvrelay.operator.spec import parse_spec
 
 from kvrelay import cli
 
-SPEC = {"model": {"uri": "/models/m", "name": "m", "dtype": "float32", "quantization": "int8"},
+SPEC = {"model": {"uri": "/models/m", "name": "m", "dtype": "float32", "quantization": "int8",
+                  "loraAdapters": [{"name": "sql", "uri": "/adapters/sql"}, {"name": "chat", "uri": "/adapters/chat"}]},
         "tenants": {"secretRef": {"name": "t"}}, "redis": {"url": "redis://r:6379/0"},
         "kvTransfer": {"sharedMemory": {"size": "1Gi"}}}
 
@@ -37,6 +38,7 @@ def test_pod_arguments_parse(role, transport):
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[0] == role
     parsed = role_parser(role).parse_args(args[1:])
+    assert parsed.lora_modules == ["sql=/adapters/sql", "chat=/adapters/chat"]  # every role knows the adapters
     if role == "gateway":
         assert parsed.host == "0.0.0.0" and parsed.port == 8000
         assert parsed.prefill == "dns:///demo-prefill.ns.svc.cluster.local:50051"

@@ -174,6 +174,25 @@ def test_spec_change_rolls_out(chart, operator, namespace):
     assert config["data"]["KVRELAY_DTYPE"] == "float32"
 
 
+def test_lora_adapters_reach_every_role_and_the_api_server_refuses_a_name_twice(chart, operator, namespace):
+    kube = chart.kube
+    twice = small("lora", namespace)
+    twice["spec"]["model"]["loraAdapters"] = [{"name": "sql", "uri": "/a/sql"}, {"name": "sql", "uri": "/a/other"}]
+    refused = kube.apply(twice, check=False)
+    assert refused.returncode != 0 and "Duplicate value" in refused.stderr, refused.stderr
+    ok = small("lora", namespace)
+    ok["spec"]["model"]["loraAdapters"] = [{"name": "sql", "uri": "/a/sql"}]
+    kube.apply(ok)
+
+    def args(role: str) -> list[str]:
+        d = kube.get("deployment", f"lora-{role}", namespace)
+        return d["spec"]["template"]["spec"]["containers"][0]["args"] if d else []
+
+    for role in c.ROLES:
+        wait_for(lambda role=role: "sql=/a/sql" in args(role), what=f"the {role} Deployment to serve the adapter")
+        assert args(role)[args(role).index("--lora-modules") + 1] == "sql=/a/sql"
+
+
 def test_child_edited_or_deleted_by_hand_is_restored(chart, operator, namespace):
     kube = chart.kube
     kube.apply(small("demo", namespace))

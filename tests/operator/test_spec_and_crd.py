@@ -70,6 +70,7 @@ def test_example_is_valid_against_the_crd_and_the_operator():
     ({"model": {"uri": "/m", "dtype": "int4"}}, "dtype"),
     ({"model": {"uri": "/m"}, "kvTransfer": {"transport": "tcp"}}, "transport"),
     ({"model": {"uri": "/m"}, "autoscaling": {"targetPerReplica": 0}}, "targetPerReplica"),
+    ({"model": {"uri": "/m", "loraAdapters": [{"name": "a=b", "uri": "/a"}]}}, "loraAdapters[0].name"),
 ])
 def test_schema_and_operator_both_reject(bad, field):
     errors = validate({"apiVersion": "kvrelay.dev/v1alpha1", "kind": c.KIND, "metadata": {}, "spec": bad}, SCHEMA)
@@ -94,6 +95,11 @@ def test_schema_and_operator_both_reject(bad, field):
      "sharedMemory.hostPath must be an absolute path"),
     ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": "1Gi", "prefillCache": "yes"}}},
      "sharedMemory.prefillCache must be true or false"),
+    ({"model": {"uri": "/m", "loraAdapters": [{"name": "a"}]}}, "spec.model.loraAdapters[0].uri is required"),
+    ({"model": {"uri": "/m", "loraAdapters": [{"name": "x", "uri": "/a"}]}}, "is already the name of the model"),
+    ({"model": {"uri": "/m", "loraAdapters": [{"name": "a", "uri": "/a"}, {"name": "a", "uri": "/b"}]}},
+     "loraAdapters[1].name 'a' is already"),
+    ({"model": {"uri": "/m", "loraAdapters": "a=/a"}}, "spec.model.loraAdapters must be a list"),
 ])
 def test_invalid_specs_name_the_field(bad, message):
     with pytest.raises(InvalidSpec, match=re.escape(message)):
