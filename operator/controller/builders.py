@@ -113,7 +113,8 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
     if role in c.WORKER_ROLES:
         args = [role, "--model", spec.model.uri, "--port", str(c.WORKER_GRPC_PORT),
                 "--metrics-port", str(c.WORKER_METRICS_PORT),
-                "--served-model-name", spec.model.name, "--dtype", spec.model.dtype]
+                "--served-model-name", spec.model.name, "--dtype", spec.model.dtype,
+                "--shutdown-timeout", str(spec.role(role).shutdown_timeout_seconds)]
         if spec.model.quantization != "none":
             args += ["--quantization", spec.model.quantization]
         args += _lora_args(spec)
@@ -139,6 +140,8 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
             # The gateway tokenizes prompts (quotas, prefix routing) with the model's own tokenizer.
             "--model", spec.model.uri,
             "--served-model-name", spec.model.name,
+            "--shutdown-delay", str(c.GATEWAY_SHUTDOWN_DELAY_S),
+            "--shutdown-timeout", str(spec.gateway.shutdown_timeout_seconds),
         ]
         args += _lora_args(spec)  # the gateway reads the adapters' names
         if spec.redis_url or spec.redis_secret or config.default_redis_url:
@@ -246,7 +249,9 @@ def build_deployment(
         res = container.setdefault("resources", {})
         for kind in ("requests", "limits"):
             res.setdefault(kind, {})["nvidia.com/gpu"] = str(rs.parallelism.gpus_per_pod)
-    pod_spec: dict[str, Any] = {"containers": [container]}
+    # SIGTERM, then the gateway's delay and the drain, then SIGKILL: the grace period covers them.
+    grace = rs.shutdown_timeout_seconds + c.GRACE_MARGIN_S + (c.GATEWAY_SHUTDOWN_DELAY_S if role == "gateway" else 0)
+    pod_spec: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": grace}
     if role == "gateway" and spec.tenants_secret:
         container["volumeMounts"] = [{"name": "tenants", "mountPath": c.TENANTS_MOUNT_DIR, "readOnly": True}]
         pod_spec["volumes"] = [{"name": "tenants", "secret": {"secretName": spec.tenants_secret.name}}]

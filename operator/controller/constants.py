@@ -36,6 +36,10 @@ WORKER_GRPC_PORT = 50051
 WORKER_METRICS_PORT = 9090
 GATEWAY_HTTP_PORT = 8000
 GATEWAY_METRICS_PORT = 9090  # the gateway's /metrics, apart from its API port
+# On SIGTERM the gateway serves this long before draining, while Services and ingresses take the pod
+# out (kvrelay.gateway.drain); the pod's grace period adds it and a margin to the shutdown timeout.
+GATEWAY_SHUTDOWN_DELAY_S = 5
+GRACE_MARGIN_S = 5
 
 DEFAULT_IMAGE = "ghcr.io/kvrelay/kvrelay:0.1.0"  # overridden by KVRELAY_IMAGE (set by the chart)
 TENANTS_MOUNT_DIR = "/etc/kvrelay/tenants"

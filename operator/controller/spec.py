@@ -65,6 +65,7 @@ class RoleSpec:
     args: list[str] = field(default_factory=list)
     env: list[dict[str, Any]] = field(default_factory=list)
     parallelism: ParallelismSpec = ParallelismSpec()
+    shutdown_timeout_seconds: int = 25  # --shutdown-timeout; the pod's grace period covers it
 
     @property
     def autoscaled(self) -> bool:
@@ -214,6 +215,7 @@ def _role(value: Any, path: str) -> RoleSpec:
         env=_list(src, "env", path),
         parallelism=_parallelism(src.get("parallelism"), f"{path}.parallelism",
                                  _obj(src.get("resources"), f"{path}.resources")),
+        shutdown_timeout_seconds=_int(src, "shutdownTimeoutSeconds", path, 25),
     )
     if role.min_replicas > role.max_replicas:
         raise InvalidSpec(

@@ -23,6 +23,7 @@ from kvrelay.gateway import (
     routes_tokenize,
 )
 from kvrelay.gateway.access_log import AccessLog
+from kvrelay.gateway.drain import CloseWhileDraining
 from kvrelay.gateway.errors import ApiError
 from kvrelay.gateway.frontdoor import HeaderCountLimit
 from kvrelay.gateway.gateway import Gateway, GatewayConfig
@@ -103,6 +104,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     for module in (routes_completions, routes_chat, responses_api, routes_models, routes_metrics, routes_tokenize):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=gateway.config.max_body_bytes)
+    app.add_middleware(CloseWhileDraining, draining=lambda: gateway.draining)
     app.add_middleware(HeaderCountLimit, max_headers=gateway.config.frontdoor.max_headers)
     app.add_middleware(AccessLog)  # added last but CORS: outermost, so it sees every status, 413 and 431 included
     if gateway.config.allowed_origins:  # browsers then read every answer, errors included

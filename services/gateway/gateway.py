@@ -125,6 +125,7 @@ class Gateway:
             self.metrics.registry.register(collector)
         self.scheduler: FairScheduler | None = None
         self.running = 0
+        self.draining = False  # SIGTERM's --shutdown-delay: still serving, but /ready answers 503 (drain.py)
         self._executor = ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="kvrelay-tokenize")
         # One slot per thread; at most tokenizer_queue more wait (past it: 503), so a flood cannot
         # queue unbounded work.

@@ -55,7 +55,11 @@ async def health(request: Request):
 
 @router.get("/ready", responses={503: ERROR_RESPONSES[503]})
 async def ready(request: Request):
-    backend = gateway_of(request).backend
+    gateway = gateway_of(request)
+    backend = gateway.backend
+    if gateway.draining:  # stopping: load balancers take this gateway out while it still serves
+        raise errors.unavailable("Shutting down: this gateway serves what it gets but takes nothing new soon",
+                                 "draining", retry_after=None)
     if not backend.ready():
         raise errors.unavailable("No healthy workers", "no_healthy_workers")
     return {"status": "ready", "model": backend.model_name}

@@ -102,9 +102,14 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                         help="origins whose browser pages may call the API (CORS), comma-separated, e.g. "
                              "https://app.example.com, or * for any; default: none")
     parser.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
-                        help="on SIGTERM, seconds that requests in flight have to finish (new connections are "
-                             "refused at once) before the rest are aborted; keep it under the pod's "
+                        help="on SIGTERM (after --shutdown-delay), seconds that requests in flight have to finish "
+                             "(new connections are refused) before the rest are aborted; keep it under the pod's "
                              "terminationGracePeriodSeconds (30 by default)")
+    parser.add_argument("--shutdown-delay", type=float, default=0.0,
+                        help="on SIGTERM, seconds the gateway first goes on serving (/ready answers 503, answers "
+                             "carry Connection: close) while load balancers take it out, before the "
+                             "--shutdown-timeout drain; the operator sets 5 in pods. The grace period must "
+                             "cover both")
     parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
                         help="seconds from a request's arrival to its deadline (a tenant's request_timeout_s caps "
                              "it; 0: none); on expiry every hop aborts it and the client gets a 504, or an SSE "
@@ -148,15 +153,17 @@ def run_app(app, args: argparse.Namespace, watch: list[tuple[str, subprocess.Pop
     gives up on a hung step loop, or when supervisor (`serve --disaggregated`'s local workers)
     cannot bring a worker back."""
     import uvicorn
+    from kvrelay.gateway.drain import DrainingServer
 
     limits = app.state.gateway.config.frontdoor
     # log_config=None: uvicorn's loggers go through the root handler (setup_logging: text or JSON).
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    gateway = app.state.gateway
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
-                                           log_config=None,
-                                           **uvicorn_options(limits)))
+                                           log_config=None, **uvicorn_options(limits)),
+                            args.shutdown_delay, on_drain=lambda: setattr(gateway, "draining", True))
     lost: list[str] = []
-    backend = app.state.gateway.backend
+    backend = gateway.backend
 
     def watch_engine() -> None:
         """serve's own engine: exit (code 1) once its watchdog gives up on a hung step loop."""

@@ -154,6 +154,33 @@ def test_sigterm_lets_streams_in_flight_finish_within_the_shutdown_timeout(timeo
         assert events[-1] != "data: [DONE]" and len(finished) < 8
 
 
+def test_shutdown_delay_keeps_serving_after_sigterm_with_ready_503_and_connection_close(tmp_path):
+    """--shutdown-delay: after SIGTERM the gateway still answers new requests (load balancers have not
+    taken it out yet), /ready says draining, answers ask clients to reconnect elsewhere; a second
+    SIGTERM stops it at once (the delay here is far longer than the test's deadlines)."""
+    import httpx
+
+    server = GatewayProcess(["--shutdown-delay", "600"], tmp_path / "serve.log")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            assert client.get("/ready").status_code == 200
+            server.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while (ready := client.get("/ready")).status_code == 200:
+                assert time.monotonic() < deadline, "/ready never reported draining"
+                time.sleep(0.05)
+            assert ready.status_code == 503 and ready.json()["error"]["code"] == "draining"
+            r = client.post("/v1/completions", json={"model": "stories260K", "prompt": "Once", "max_tokens": 4})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"]
+            assert r.headers["connection"] == "close"
+            assert server.proc.poll() is None
+        server.proc.send_signal(signal.SIGTERM)  # a second signal: no more waiting
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
 def _stopped(proc: subprocess.Popen, timeout: float, failure: str) -> str:
     """proc's stderr once it exits; an AssertionError with failure and the stderr's tail if it has
     not within timeout seconds."""

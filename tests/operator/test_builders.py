@@ -37,7 +37,8 @@ def test_worker_and_gateway_commands_follow_the_cli_contract():
     objs = children({"model": {"uri": "/models/llama"}, "decode": {"args": ["--max-batch", "8"]}})
     decode = pod(objs, "decode")["containers"][0]
     assert decode["args"] == ["decode", "--model", "/models/llama", "--port", "50051", "--metrics-port", "9090",
-                              "--served-model-name", "demo", "--dtype", "auto", "--max-batch", "8"]
+                              "--served-model-name", "demo", "--dtype", "auto", "--shutdown-timeout", "25",
+                              "--max-batch", "8"]
     assert decode["image"] == "kvrelay:1"
     gateway = pod(objs, "gateway")["containers"][0]
     assert gateway["args"][:9] == ["gateway", "--prefill", "dns:///demo-prefill.team-a.svc.cluster.local:50051",
@@ -62,6 +63,24 @@ def test_model_settings_become_worker_flags():
         assert args[args.index("--dtype") + 1] == "bfloat16"
         assert args[args.index("--quantization") + 1] == "int8"
     assert objs["ConfigMap", "demo-config"]["data"]["KVRELAY_MODEL_NAME"] == "llama-3"
+
+
+def test_the_grace_period_covers_the_gateways_delay_and_each_roles_shutdown_timeout():
+    def flag(args: list[str], name: str) -> str:
+        return args[args.index(name) + 1]
+
+    objs = children({"model": {"uri": "/m"}})
+    gateway = pod(objs, "gateway")
+    assert flag(gateway["containers"][0]["args"], "--shutdown-delay") == "5"
+    assert flag(gateway["containers"][0]["args"], "--shutdown-timeout") == "25"
+    assert gateway["terminationGracePeriodSeconds"] == 5 + 25 + 5
+    for role in ("prefill", "decode"):
+        assert flag(pod(objs, role)["containers"][0]["args"], "--shutdown-timeout") == "25"
+        assert pod(objs, role)["terminationGracePeriodSeconds"] == 30  # Kubernetes' default
+    long = children({"model": {"uri": "/m"}, "decode": {"shutdownTimeoutSeconds": 600}})
+    assert flag(pod(long, "decode")["containers"][0]["args"], "--shutdown-timeout") == "600"
+    assert pod(long, "decode")["terminationGracePeriodSeconds"] == 605
+    assert pod(long, "prefill")["terminationGracePeriodSeconds"] == 30
 
 
 def test_redis_secret_and_tenants_secret_are_wired_into_the_gateway():

@@ -39,11 +39,13 @@ def test_pod_arguments_parse(role, transport):
     assert args[0] == role
     parsed = role_parser(role).parse_args(args[1:])
     assert parsed.lora_modules == ["sql=/adapters/sql", "chat=/adapters/chat"]  # every role knows the adapters
+    assert parsed.shutdown_timeout == 25
     if role == "gateway":
         assert parsed.host == "0.0.0.0" and parsed.port == 8000
         assert parsed.prefill == "dns:///demo-prefill.ns.svc.cluster.local:50051"
         assert parsed.redis_url == "$(KVRELAY_REDIS_URL)"  # the kubelet substitutes it from env
         assert parsed.model == "/models/m"  # the gateway tokenizes with the served model's tokenizer
+        assert parsed.shutdown_delay == 5
     else:
         assert parsed.model == "/models/m" and parsed.port == 50051 and parsed.metrics_port == 9090
         assert parsed.dtype == "float32" and parsed.quantization == "int8"

@@ -126,6 +126,9 @@ def test_example_creates_owned_children_status_columns_and_events(chart, operato
                      and len(got["deployments"]) == 3 and len(got["services"]) == 3 and got["configmaps"] and got,
                      what="3 Deployments, 3 Services and the ConfigMap")
     assert {d["metadata"]["name"] for d in found["deployments"]} == {f"stories-{r}" for r in c.ROLES}
+    grace = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+             for d in found["deployments"]}
+    assert grace == {"stories-prefill": 30, "stories-decode": 30, "stories-gateway": 35}
     for child in found["deployments"] + found["services"] + found["configmaps"]:
         (ref,) = child["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (c.KIND, "stories",

@@ -96,6 +96,7 @@ def test_schema_and_operator_both_reject(bad, field):
     ({"model": {"uri": "/m"}, "kvTransfer": {"sharedMemory": {"size": "1Gi", "prefillCache": "yes"}}},
      "sharedMemory.prefillCache must be true or false"),
     ({"model": {"uri": "/m", "loraAdapters": [{"name": "a"}]}}, "spec.model.loraAdapters[0].uri is required"),
+    ({"model": {"uri": "/m"}, "gateway": {"shutdownTimeoutSeconds": -1}}, "spec.gateway.shutdownTimeoutSeconds must be >= 0"),
     ({"model": {"uri": "/m", "loraAdapters": [{"name": "x", "uri": "/a"}]}}, "is already the name of the model"),
     ({"model": {"uri": "/m", "loraAdapters": [{"name": "a", "uri": "/a"}, {"name": "a", "uri": "/b"}]}},
      "loraAdapters[1].name 'a' is already"),
