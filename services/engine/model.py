@@ -82,7 +82,7 @@ class DecoderModel:
         # (prefill workers stream early layers while later ones compute). None: no cost.
         self.layer_hook = None
         self.adapters = None  # the LoRA adapters served (kvrelay.engine.lora.stacked.LoRASet), if any
-        self.lora_plan = None  # the step's StepBatch.lora, while forward runs
+        self.lora_plan = None  # the step's StepBatch.lora, while run_layers runs
 
     def _linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.scale is not None:
@@ -106,11 +106,7 @@ class DecoderModel:
     def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Runs the step, writing new K/V into kv_cache; returns fp32 logits [S, vocab]."""
         self.begin_step(batch.slot_mapping)
-        self.lora_plan = batch.lora
-        try:
-            hidden, residual = self.run_layers(batch, kv_cache, self.embed(batch.input_ids), None)
-        finally:
-            self.lora_plan = None
+        hidden, residual = self.run_layers(batch, kv_cache, self.embed(batch.input_ids), None)
         logits = self.compute_logits(batch, hidden, residual)
         self.end_step()
         return logits
@@ -143,13 +139,17 @@ class DecoderModel:
         in, (hidden, residual) out; residual None before the first layer. Each layer is three parts,
         so piecewise CUDA graphs (runner/piecewise_graphs.py) can capture the two that do not
         depend on the step's sequences and run attention between them."""
-        for layer_idx in range(len(self.w.layers)):
-            q, k, v, residual = self.layer_qkv(layer_idx, hidden, residual, batch.positions, batch.slot_mapping,
-                                               kv_cache)
-            if self.layer_hook is not None:
-                self.layer_hook(layer_idx, batch)
-            attn = self.layer_attention(layer_idx, q, k, v, batch, kv_cache)
-            hidden, residual = self.layer_output(layer_idx, attn, residual)
+        self.lora_plan = batch.lora
+        try:
+            for layer_idx in range(len(self.w.layers)):
+                q, k, v, residual = self.layer_qkv(layer_idx, hidden, residual, batch.positions, batch.slot_mapping,
+                                                   kv_cache)
+                if self.layer_hook is not None:
+                    self.layer_hook(layer_idx, batch)
+                attn = self.layer_attention(layer_idx, q, k, v, batch, kv_cache)
+                hidden, residual = self.layer_output(layer_idx, attn, residual)
+        finally:
+            self.lora_plan = None
         return hidden, residual
 
     def layer_qkv(self, layer_idx: int, hidden: torch.Tensor, residual: torch.Tensor | None,

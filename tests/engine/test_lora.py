@@ -85,6 +85,21 @@ def test_speculation_and_async_scheduling_keep_the_adapters_tokens(adapters, opt
     assert run_engine(other, requests) == run_engine(plain, requests)
 
 
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_tensor_and_pipeline_parallel_ranks_serve_the_adapters(engine, adapters, tp, pp):
+    """Each rank holds its shard of every adapter (B's output rows on q/k/v/gate/up, A's input columns
+    on o_proj/down: partial deltas that the projection's all-reduce sums); a stage its layers."""
+    kw = {"lora_modules": [f"{k}={v}" for k, v in adapters.items()], "max_num_seqs": 8,
+          "max_num_batched_tokens": 48, "kv_cache_memory": 4 * 2**20}
+    parallel = make_engine(BUNDLED_MODEL, tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw)
+    try:
+        requests = {f"tp{tp}pp{pp}-{i}-{lora}": (p, _greedy(lora)) for i, p in enumerate(PROMPTS[:4])
+                    for lora in (None, "attn", "full")}
+        assert run_engine(parallel, requests) == run_engine(engine, requests)
+    finally:
+        parallel.close()
+
+
 def test_a_request_for_an_adapter_not_loaded_is_refused(engine):
     with pytest.raises(InvalidRequestError, match="no LoRA adapter 'nope' is loaded \\(loaded: attn, full\\)"):
         engine.add_request("Once", _greedy("nope"), "x")
@@ -111,8 +126,6 @@ def test_bad_adapters_and_flags_fail_at_start_up(adapters, tmp_path):
         make_engine(BUNDLED_MODEL, lora_modules=[f"a={adapters['attn']}", f"a={adapters['full']}"])
     with pytest.raises(ValueError, match="--enable-lora: name the adapters"):
         make_engine(BUNDLED_MODEL, enable_lora=True)
-    with pytest.raises(ValueError, match="not supported with tensor or pipeline parallelism"):
-        make_engine(BUNDLED_MODEL, lora_modules=[f"a={adapters['attn']}"], tensor_parallel_size=2)
     # An adapter of another model: its shapes do not fit.
     bad = tmp_path / "bad"
     bad.mkdir()

@@ -1,14 +1,15 @@
 """LoRA adapters served beside the base model, as vLLM's `--lora-modules NAME=PATH`: a request
 names an adapter as its `model`, and each step adds every adapter's delta to its own rows.
 
-adapter.py reads and checks PEFT adapters; stacked.py keeps them stacked per fused projection and
-plans a step's rows by adapter. Adapters are loaded at start-up and stay on the device.
+adapter.py reads and checks PEFT adapters; sharding.py cuts them for a tensor/pipeline-parallel
+rank; stacked.py keeps them stacked per fused projection and plans a step's rows by adapter.
+Adapters are loaded at start-up and stay on the device.
 """
 
 from __future__ import annotations
 
 import torch
-from kvrelay.engine.lora.adapter import load_adapter, parse_lora_modules
+from kvrelay.engine.lora.adapter import LoRAAdapter, load_adapter, parse_lora_modules
 from kvrelay.engine.lora.stacked import LoRASet
 from kvrelay.engine.model_config import ModelConfig
 from kvrelay.engine.weights import ModelWeights
@@ -19,21 +20,25 @@ def check_lora_args(args) -> None:
     if args.enable_lora and not args.lora_modules:
         raise ValueError("--enable-lora: name the adapters with --lora-modules NAME=PATH (adapters are loaded "
                          "at start-up; loading them at run time is not supported)")
-    if args.lora_modules and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
-        raise ValueError("--lora-modules is not supported with tensor or pipeline parallelism yet")
-    if args.lora_modules and args.distributed_executor_backend == "mp":
-        raise ValueError("--lora-modules needs the model in the engine's process (--distributed-executor-backend uni)")
     if args.max_lora_rank < 1:
         raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
 
 
-def load_lora_set(args, config: ModelConfig, weights: ModelWeights, dtype: torch.dtype) -> LoRASet | None:
-    """The adapters of --lora-modules, attached to weights; None without any."""
+def lora_names(args) -> LoRASet | None:
+    """The adapters' names alone (the driver of parallel workers), checked; None without any."""
     check_lora_args(args)
-    if not args.lora_modules:
-        return None
-    paths = parse_lora_modules(args.lora_modules)
-    adapters = [load_adapter(name, path, config, args.max_lora_rank, dtype) for name, path in paths.items()]
-    lora = LoRASet(adapters)
-    lora.attach(weights, config, dtype)
+    return LoRASet(list(parse_lora_modules(args.lora_modules))) if args.lora_modules else None
+
+
+def read_adapters(lora_modules: list[str], config: ModelConfig, max_rank: int, dtype: torch.dtype) -> list[LoRAAdapter]:
+    """Every adapter of --lora-modules, read and checked against the whole model's config."""
+    return [load_adapter(name, path, config, max_rank, dtype)
+            for name, path in parse_lora_modules(lora_modules).items()]
+
+
+def load_lora_set(args, config: ModelConfig, weights: ModelWeights, dtype: torch.dtype) -> LoRASet | None:
+    """The adapters of --lora-modules, attached to weights (one process); None without any."""
+    lora = lora_names(args)
+    if lora is not None:
+        lora.attach(weights, config, dtype, read_adapters(args.lora_modules, config, args.max_lora_rank, dtype))
     return lora

@@ -52,18 +52,21 @@ class LoRALinear:
 
 
 class LoRASet:
-    """The adapters an engine serves, by name; index k of a name is its place in every stack."""
+    """The adapters an engine serves, by name; index k of a name is its place in every stack. (The
+    driver of parallel workers keeps only the names: each worker attaches its own shards.)"""
 
-    def __init__(self, adapters: list[LoRAAdapter]):
-        self.names = [a.name for a in adapters]
+    def __init__(self, names: list[str]):
+        self.names = list(names)
         self.index = {name: k for k, name in enumerate(self.names)}
-        self.adapters = adapters
 
-    def attach(self, weights: ModelWeights, config: ModelConfig, dtype: torch.dtype) -> None:
-        """Give every targeted Linear of weights its stacks (Linear.lora), on the weights' device."""
+    def attach(self, weights: ModelWeights, config: ModelConfig, dtype: torch.dtype,
+               adapters: list[LoRAAdapter]) -> None:
+        """Give every targeted Linear of weights (config: their shapes, a rank's own under tensor
+        parallelism) its stacks of adapters (in self.names' order), on the weights' device."""
+        assert [a.name for a in adapters] == self.names
         layout = _layout(config)
-        rank = max(a.rank for a in self.adapters)
-        targets = sorted({(layer, MODULES[module][0]) for a in self.adapters for layer, module in a.modules})
+        rank = max(a.rank for a in adapters)
+        targets = sorted({(layer, MODULES[module][0]) for a in adapters for layer, module in a.modules})
         for layer, fused in targets:
             lin = getattr(weights.layers[layer], fused)
             if lin is None:
@@ -73,10 +76,10 @@ class LoRASet:
             in_dim, parts = layout[fused]
             blocks = 1 + max(p[0] for p in parts.values())
             out_dim = max(p[2] for p in parts.values())
-            a_stack = torch.zeros(len(self.adapters), blocks * rank, in_dim, dtype=dtype)
-            b_stack = torch.zeros(len(self.adapters), out_dim, blocks * rank, dtype=dtype)
-            used = [False] * len(self.adapters)
-            for k, adapter in enumerate(self.adapters):
+            a_stack = torch.zeros(len(adapters), blocks * rank, in_dim, dtype=dtype)
+            b_stack = torch.zeros(len(adapters), out_dim, blocks * rank, dtype=dtype)
+            used = [False] * len(adapters)
+            for k, adapter in enumerate(adapters):
                 for (li, module), m in adapter.modules.items():
                     if li != layer or MODULES[module][0] != fused:
                         continue
@@ -87,7 +90,7 @@ class LoRASet:
                     used[k] = True
             device = weights.embed.device
             lin.lora = LoRALinear(a_stack.to(device), b_stack.to(device), used)
-        for adapter in self.adapters:  # the stacks hold them now
+        for adapter in adapters:  # the stacks hold them now
             adapter.modules.clear()
 
 

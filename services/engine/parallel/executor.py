@@ -87,6 +87,7 @@ def _free_port() -> int:
 
 class MultiprocExecutor:
     layer_hook = None  # no per-layer hooks across processes (the ModelRunner reads this)
+    adapters = None  # the LoRA adapters' names (a LoRASet without weights): each worker holds its shards
 
     def __init__(self, spec_args: dict, tensor_parallel_size: int, pipeline_parallel_size: int,
                  layout: NodeLayout | None = None):
@@ -409,10 +410,10 @@ def start_executor(args, config, dtype: torch.dtype, device: torch.device, kerne
                    kv_cache_storage=None, spec=None) -> MultiprocExecutor:
     """The executor for EngineArgs' parallel sizes, after the checks that need no worker."""
     from kvrelay.engine import architectures
-    from kvrelay.engine.lora import check_lora_args
+    from kvrelay.engine.lora import lora_names
     from kvrelay.engine.model import DecoderModel
 
-    check_lora_args(args)
+    adapters = lora_names(args)
     build_model = architectures.get(config.architecture).build_model
     if build_model is not None and not (isinstance(build_model, type) and issubclass(build_model, DecoderModel)):
         raise ValueError(f"{config.architecture} runs its own model class: --tensor-parallel-size and "
@@ -444,12 +445,15 @@ def start_executor(args, config, dtype: torch.dtype, device: torch.device, kerne
     if device.type == "cuda" and torch.cuda.device_count() < local:
         raise ValueError(f"{local} parallel ranks on this node need {local} GPUs, but it has "
                          f"{torch.cuda.device_count()}")
-    return MultiprocExecutor(
+    executor = MultiprocExecutor(
         {"model_dir": str(args.model), "config": config, "dtype": dtype, "device_type": device.type,
          "kernel_backend": kernel_backend, "load_format": args.load_format, "dummy_seed": args.dummy_seed,
          "quantization": args.quantization, "max_model_len": max_model_len, "block_size": args.block_size,
          "gpu_memory_utilization": args.gpu_memory_utilization,
          "max_num_batched_tokens": args.max_num_batched_tokens, "plugins": args.plugins,
-         "enable_expert_parallel": args.enable_expert_parallel},
+         "enable_expert_parallel": args.enable_expert_parallel,
+         "lora_modules": tuple(args.lora_modules or ()), "max_lora_rank": args.max_lora_rank},
         args.tensor_parallel_size, args.pipeline_parallel_size, layout,
     )
+    executor.adapters = adapters
+    return executor

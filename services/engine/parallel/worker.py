@@ -54,6 +54,8 @@ class WorkerSpec:
     max_num_batched_tokens: int = 2048
     plugins: str | None = None  # the driver's --plugins: architectures from installed packages
     enable_expert_parallel: bool = False  # MoE: the TP ranks hold disjoint experts instead of replicas
+    lora_modules: tuple[str, ...] = ()  # --lora-modules: each rank reads them and keeps its shards
+    max_lora_rank: int = 16
 
 
 def encode(obj) -> bytes:
@@ -66,14 +68,20 @@ def decode(data: bytes):
 
 def batch_to_wire(batch) -> dict:
     """A StepBatch as numpy arrays and ints (serialized once, sent to every worker)."""
-    return {k: (v.cpu().numpy() if isinstance(v, torch.Tensor) else v) for k, v in vars(batch).items()}
+    wire = {k: (v.cpu().numpy() if isinstance(v, torch.Tensor) else v) for k, v in vars(batch).items()}
+    if batch.lora is not None:  # LoRA: (adapter, its rows or None) pairs
+        wire["lora"] = [(k, None if rows is None else rows.cpu().numpy()) for k, rows in batch.lora]
+    return wire
 
 
 def batch_from_wire(wire: dict, device: torch.device):
     from kvrelay.engine.model import StepBatch
 
-    return StepBatch(**{k: (torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v)
-                        for k, v in wire.items()})
+    batch = StepBatch(**{k: (torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v)
+                         for k, v in wire.items()})
+    if batch.lora is not None:
+        batch.lora = [(k, None if rows is None else torch.from_numpy(rows).to(device)) for k, rows in batch.lora]
+    return batch
 
 
 def tensor_to_wire(t: torch.Tensor) -> tuple:
@@ -196,6 +204,10 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
     pack_linears(weights, ops.prepack_linear)
     build_model = architectures.get(spec.config.architecture).build_model or DecoderModel  # MoE: its subclass
     model = build_model(local, weights, ops, spec.max_model_len, vocab_size=spec.config.vocab_size)
+    if spec.lora_modules:
+        from kvrelay.engine.lora.sharding import load_rank_lora_set
+
+        model.adapters = load_rank_lora_set(spec, state, weights, local)
     planned = None
     if device.type == "cuda":
         planned = plan_kv_cache(model, local, spec.dtype, device, spec.gpu_memory_utilization, spec.block_size,
