@@ -6,7 +6,7 @@
 Runs on a bare GPU machine with torch, triton and transformers: kvrelay is mapped from the checkout
 (benchmarks/package_map.py). Sections (--only parity,step,throughput,kernels):
 - parity: stories260K greedy on the device, with decode CUDA graphs and with --enforce-eager, each
-  also with --async-scheduling, against the CPU torch path;
+  also with --async-scheduling, against the CPU torch path; and with a LoRA adapter on half the prompts;
 - step: one decode step's wall time against the GPU's busy time (kernel time from torch.profiler, and
   the graph's replay alone), graphs on (with and without --async-scheduling) and off, at 128
   sequences of ~512 tokens and 16 of ~2048;
@@ -114,11 +114,13 @@ def engine_for(model_dir, device: str, **kw):
     return LLMEngine(EngineArgs(model=str(model_dir), device=device, **kw))
 
 
-def greedy_tokens(engine, prompts, n: int) -> list[list[int]]:
+def greedy_tokens(engine, prompts, n: int, loras: list[str | None] | None = None) -> list[list[int]]:
+    """Greedy tokens of each prompt (loras: each prompt's LoRA adapter, None for the base model)."""
     from kvrelay.engine.sampling_params import SamplingParams
 
     for i, p in enumerate(prompts):
-        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), f"p{i}")
+        lora = loras[i] if loras else None
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, lora=lora), f"p{i}")
     out = {f"p{i}": [] for i in range(len(prompts))}
     while engine.has_work():
         for o in engine.step():
@@ -194,6 +196,25 @@ def section_parity(rep: Report, device: str, smoke: bool) -> None:
         rep.add(f"parity_{name}", {"identical": same, "of": len(PROMPTS), "graph_steps": graph_steps},
                 f"parity stories260K greedy, {device} {name}: {same}/{len(PROMPTS)} identical to CPU torch "
                 f"({graph_steps} graph steps)")
+    # LoRA: every other prompt on a random adapter, in the same batches as the base model's (steps
+    # with adapter rows run eagerly, the base model's alone replay graphs).
+    from lora import write_adapter
+
+    config = json.loads((Path(BUNDLED_MODEL) / "config.json").read_text())
+    loras = [None, "a"] * (len(PROMPTS) // 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        modules = [f"a={write_adapter(Path(tmp) / 'a', config, rank=8, seed=0, std=0.3)}"]
+        want_lora = greedy_tokens(engine_for(BUNDLED_MODEL, "cpu", kernel_backend="torch", lora_modules=modules),
+                                  PROMPTS, n, loras)
+        engine = engine_for(BUNDLED_MODEL, device, kv_cache_memory=64 * 2**20, max_num_seqs=16, lora_modules=modules)
+        got = greedy_tokens(engine, PROMPTS, n, loras)
+    same = sum(g == w for g, w in zip(got, want_lora))
+    changed = sum(want_lora[i] != want[i] for i, lora in enumerate(loras) if lora)  # the adapter matters
+    rep.add("parity_lora", {"identical": same, "of": len(PROMPTS), "adapter_changed": changed,
+                            "graph_steps": engine.runner.graph_steps},
+            f"parity stories260K greedy, a LoRA adapter on half the prompts, {device}: {same}/{len(PROMPTS)} "
+            f"identical to CPU torch (the adapter changed {changed}/{loras.count('a')} outputs; "
+            f"{engine.runner.graph_steps} graph steps)")
 
 
 def section_parallel(rep: Report, device: str, smoke: bool) -> None:

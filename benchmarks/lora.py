@@ -24,8 +24,9 @@ MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-def write_adapter(out: Path, config: dict, rank: int, seed: int) -> Path:
-    """A random PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) for config."""
+def write_adapter(out: Path, config: dict, rank: int, seed: int, std: float = 0.02) -> Path:
+    """A random PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) for config; A and B
+    normal with standard deviation std."""
     import torch
     from safetensors.torch import save_file
 
@@ -39,8 +40,8 @@ def write_adapter(out: Path, config: dict, rank: int, seed: int) -> Path:
     for layer in range(config["num_hidden_layers"]):
         for module, (out_dim, in_dim) in shapes.items():
             key = f"base_model.model.model.layers.{layer}.{MODULES[module]}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_dim, generator=gen) * 0.02
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out_dim, rank, generator=gen) * 0.02
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_dim, generator=gen) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_dim, rank, generator=gen) * std
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps(
