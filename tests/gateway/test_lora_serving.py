@@ -4,6 +4,7 @@ prefill/decode hand-off."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -96,3 +97,20 @@ def test_an_adapter_across_a_prefill_decode_hand_off(gateway, adapters, tmp_path
         assert {m.id for m in client.models.list().data} == {"stories260K", "attn", "full"}
         assert _complete(client, "full") == unified
         assert _complete(client, "stories260K") == _complete(_client(gateway), "stories260K")
+
+
+def test_bench_spreads_its_requests_over_the_adapters(gateway, tmp_path):
+    """`kvrelay bench serve --lora-modules a b`: request k asks for the k-th adapter mod 2."""
+    from kvrelay.cli import main
+
+    def served(model: str) -> float:
+        return sum(s.value for m in gateway.gateway.metrics.registry.collect() if m.name == "kvrelay:request_success"
+                   for s in m.samples if s.name.endswith("_total") and s.labels["model"] == model)
+
+    before = {m: served(m) for m in ("attn", "full", "stories260K")}
+    rc = main(["bench", "serve", "--base-url", gateway.url, "--api-key", "sk-all", "--lora-modules", "attn", "full",
+               "--dataset", "random", "--num-prompts", "6", "--random-input-len", "8", "--random-output-len", "4",
+               "--no-progress", "--result-file", str(tmp_path / "r.json")])
+    assert rc == 0
+    assert {m: served(m) - before[m] for m in before} == {"attn": 3, "full": 3, "stories260K": 0}
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["lora_modules"] == ["attn", "full"]

@@ -36,6 +36,11 @@ class ClientConfig:
     max_retries_429: int = 2
     max_retry_wait_s: float = 30.0
     connect_timeout_s: float = 10.0
+    # --lora-modules: request k asks for models[k mod n] instead of model (LoRA adapters by name)
+    models: tuple[str, ...] = ()
+
+    def model_for(self, index: int) -> str:
+        return self.models[index % len(self.models)] if self.models else self.model
 
     @property
     def chat(self) -> bool:
@@ -102,10 +107,11 @@ def parse_retry_after(value: str | None) -> float | None:
 
 
 def build_body(
-    cfg: ClientConfig, prompt: str | None, messages: list[dict] | None, max_tokens: int | None
+    cfg: ClientConfig, prompt: str | None, messages: list[dict] | None, max_tokens: int | None,
+    model: str | None = None,
 ) -> dict:
     body: dict = {
-        "model": cfg.model,
+        "model": model or cfg.model,
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": cfg.temperature,
@@ -205,7 +211,7 @@ async def send(
     t_run: float,
 ) -> RequestResult:
     """Send one request (retrying 429s as advised) and fill r."""
-    body = build_body(cfg, prompt, messages, max_tokens)
+    body = build_body(cfg, prompt, messages, max_tokens, cfg.model_for(r.index))
     key = api_key or cfg.api_key
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     t0 = time.perf_counter()

@@ -72,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model", default=None, help="model to ask for (default: the server's first in /v1/models)"
     )
     s.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME",
+        help="LoRA adapters the server serves (by name): request k asks for the k-th mod n of them "
+        "instead of --model, so the load spreads evenly over the adapters",
+    )
+    s.add_argument(
         "--tokenizer",
         default=None,
         metavar="DIR",
@@ -262,6 +267,7 @@ async def bench_serve(args: argparse.Namespace, console: Console) -> int:
         timeout_s=args.request_timeout,
         max_retries_429=args.max_retries_429,
         max_retry_wait_s=args.max_retry_wait,
+        models=tuple(args.lora_modules or ()),
     )
     duration = args.soak or args.duration
     num = args.num_prompts if args.num_prompts is not None else (None if duration else DEFAULT_NUM_PROMPTS)
