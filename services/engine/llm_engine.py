@@ -19,6 +19,7 @@ from kvrelay.engine.cpu_threads import plan_threads
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError
 from kvrelay.engine.handoff import HandoffMixin
+from kvrelay.engine.lora.stacked import request_counts
 from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
 from kvrelay.engine.model_config import load_model_config, parse_dtype
 from kvrelay.engine.model_loader import load_model
@@ -299,6 +300,7 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             generation_tokens_total=self.generation_tokens_total,
             # MoE counters (with worker processes, read from TP rank 0 on demand)
             expert_load=getattr(self.model, "expert_load", None) if self.config.moe is not None else None,
+            **request_counts(getattr(self.model, "adapters", None), self.scheduler),
             **self._spec_stats(),
             **(self.executor.stats.as_engine_stats() if self.executor is not None else {}),
         )

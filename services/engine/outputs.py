@@ -81,6 +81,9 @@ class EngineStats:
     # Mixture-of-experts models: a callable returning kvrelay.engine.moe_layer.ExpertLoad, read at
     # scrape time only (on GPU it copies the device counters back). None for a dense model.
     expert_load: Callable[[], Any] | None = None
+    # LoRA: requests running and waiting per adapter (every adapter served, zeros included); empty without.
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:

@@ -40,6 +40,19 @@ class EngineStatsCollector:
         yield from spec_decode_metrics(s)
         yield from parallel_metrics(s)
         yield from expert_load_metrics(s)
+        yield from lora_metrics(s)
+
+
+def lora_metrics(s):
+    """Requests running and waiting per LoRA adapter (only when the engine serves adapters)."""
+    for key, name, doc in (("lora_running", "kvrelay:lora_requests_running", "Requests in the running batch"),
+                           ("lora_waiting", "kvrelay:lora_requests_waiting", "Requests waiting to be scheduled")):
+        counts = getattr(s, key, None)
+        if counts:
+            gauge = GaugeMetricFamily(name, f"{doc}, by LoRA adapter.", labels=["lora"])
+            for lora, value in sorted(counts.items()):
+                gauge.add_metric([lora], value)
+            yield gauge
 
 
 def parallel_metrics(s):

@@ -100,6 +100,19 @@ def test_tensor_and_pipeline_parallel_ranks_serve_the_adapters(engine, adapters,
         parallel.close()
 
 
+def test_stats_count_requests_per_adapter(engine):
+    assert engine.stats().lora_running == {"attn": 0, "full": 0} == engine.stats().lora_waiting
+    for rid, lora in (("s1", "attn"), ("s2", "attn"), ("s3", None)):
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0, n=2, lora=lora), rid)
+    assert engine.stats().lora_waiting == {"attn": 2, "full": 0}  # requests, not their n samples
+    engine.step()
+    assert engine.stats().lora_running == {"attn": 2, "full": 0}
+    while engine.has_work():
+        engine.step()
+    assert engine.stats().lora_running == {"attn": 0, "full": 0} == engine.stats().lora_waiting
+    assert make_engine(BUNDLED_MODEL).stats().lora_running == {}
+
+
 def test_a_request_for_an_adapter_not_loaded_is_refused(engine):
     with pytest.raises(InvalidRequestError, match="no LoRA adapter 'nope' is loaded \\(loaded: attn, full\\)"):
         engine.add_request("Once", _greedy("nope"), "x")

@@ -79,6 +79,14 @@ def test_the_model_field_chooses_the_adapter(gateway, adapters):
     assert chat.model == "attn" and chat.choices[0].message.content
 
 
+def test_metrics_show_requests_per_adapter(gateway):
+    import httpx
+
+    text = httpx.get(gateway.url + "/metrics", headers={"Authorization": "Bearer sk-all"}).text
+    for series in ('kvrelay:lora_requests_running{lora="attn"}', 'kvrelay:lora_requests_waiting{lora="full"}'):
+        assert any(line.startswith(series + " ") for line in text.splitlines()), text
+
+
 def test_an_unknown_model_names_the_adapters_and_a_tenant_may_be_kept_from_them(gateway):
     with pytest.raises(openai.NotFoundError, match="attn") as e:
         _complete(_client(gateway), "nope")

@@ -104,3 +104,17 @@ def step_plan(token_adapters: np.ndarray, device: torch.device) -> list[tuple[in
         rows = np.flatnonzero(token_adapters == k)
         plan.append((k, None if len(rows) == len(token_adapters) else torch.from_numpy(rows).to(device)))
     return plan or None
+
+
+def request_counts(adapters: LoRASet | None, scheduler) -> dict[str, dict[str, int]]:
+    """EngineStats' lora_running and lora_waiting: distinct requests per adapter name."""
+    if adapters is None:
+        return {}
+    out = {}
+    for field_name, seqs in (("lora_running", scheduler.running), ("lora_waiting", scheduler.waiting)):
+        requests: dict[str, set[str]] = {name: set() for name in adapters.names}
+        for seq in seqs:
+            if seq.lora >= 0:
+                requests[adapters.names[seq.lora]].add(seq.request_id)
+        out[field_name] = {name: len(ids) for name, ids in requests.items()}
+    return out
