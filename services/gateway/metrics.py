@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvrelay.kvtransfer.metrics import expert_load_metrics, lora_metrics, parallel_metrics, spec_decode_metrics
+from kvrelay.kvtransfer.metrics import (
+    expert_load_metrics,
+    lora_metrics,
+    parallel_metrics,
+    spec_decode_metrics,
+)
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
