@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 from kvrelay.engine.engine_args import EngineArgs
 from kvrelay.engine.errors import EngineDeadError, InvalidRequestError
@@ -86,6 +87,21 @@ class AsyncEngine:
         self._commands.put(("call", (fn, fut)))
         self._wake.set()
         return fut
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at path as name from the next step on (kvrelay.engine.lora.runtime):
+        read and checked off the engine thread. Raises LoRAUpdateError or ModelLoadError."""
+        from kvrelay.engine.lora.adapter import load_adapter
+        from kvrelay.engine.lora.runtime import add_adapter
+
+        e = self.engine
+        adapter = await asyncio.to_thread(load_adapter, name, Path(path), e.config, e.args.max_lora_rank, e.dtype)
+        await self.call_in_engine_thread(lambda engine: add_adapter(engine, adapter))
+
+    async def unload_lora(self, name: str) -> None:
+        from kvrelay.engine.lora.runtime import remove_adapter
+
+        await self.call_in_engine_thread(lambda engine: remove_adapter(engine, name))
 
     # ---- requests ---------------------------------------------------------------------------
 

@@ -110,7 +110,7 @@ class EngineArgs:
     plugins: str | None = None  # "a,b": load only these plugins (default: $KVRELAY_PLUGINS, else all)
     # LoRA adapters served beside the model (kvrelay.engine.lora): "NAME=PATH" (or vLLM's JSON) each.
     lora_modules: list[str] | None = None
-    enable_lora: bool = False  # vLLM's flag: accepted, and --lora-modules must name the adapters
+    enable_lora: bool = False  # serve LoRA adapters: those of --lora-modules, and any loaded at run time
     max_lora_rank: int = 16  # adapters of a higher rank are refused at start-up
 
     @staticmethod
@@ -239,7 +239,9 @@ class EngineArgs:
             help="LoRA adapters (PEFT folders) to serve beside the model: a request whose model is NAME runs "
             "with that adapter; also vLLM's JSON form '{\"name\": ..., \"path\": ...}'",
         )
-        parser.add_argument("--enable-lora", action="store_true", help="vLLM's flag; --lora-modules names the adapters")
+        parser.add_argument("--enable-lora", action="store_true",
+                            help="serve LoRA adapters (implied by --lora-modules); with the gateway's "
+                            "--allow-runtime-lora-updating also those loaded through /v1/load_lora_adapter")
         parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
                             help="refuse adapters of a higher rank r")
 

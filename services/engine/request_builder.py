@@ -48,7 +48,7 @@ class RequestBuilderMixin:
             return -1
         adapters = getattr(self.model, "adapters", None)
         if adapters is None or name not in adapters.index:
-            served = ", ".join(adapters.names) if adapters is not None else "none"
+            served = ", ".join(adapters.index) if adapters is not None and adapters.index else "none"
             raise InvalidRequestError(f"lora: no LoRA adapter {name!r} is loaded (loaded: {served})", field="model")
         return adapters.index[name]
 
@@ -95,7 +95,7 @@ class RequestBuilderMixin:
         if params.prompt_logprobs is not None:  # every position must be computed: no prefix-cache hits
             cache_salt = f"{cache_salt or ''}\x00prompt-logprobs:{secrets.token_hex(8)}"
         adapter = self.adapter_index(params.lora)
-        root = cache_root(cache_salt, params.lora)
+        root = cache_root(cache_salt, None if adapter < 0 else self.model.adapters.cache_keys[adapter])
         # A cache hit when the caller compiled off this thread first (AsyncEngine does).
         grammar = self.grammars.get(params.structured) if params.structured is not None else None
         # ignore_eos drops EOS only; explicit stop_token_ids still apply. A grammar's end is EOS (the

@@ -103,6 +103,10 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     for module in (routes_completions, routes_chat, responses_api, routes_models, routes_metrics, routes_tokenize):
         app.include_router(module.router)
+    if gateway.config.runtime_lora:
+        from kvrelay.gateway import routes_lora
+
+        app.include_router(routes_lora.router)
     app.add_middleware(BodyLimit, max_bytes=gateway.config.max_body_bytes)
     app.add_middleware(CloseWhileDraining, draining=lambda: gateway.draining)
     app.add_middleware(HeaderCountLimit, max_headers=gateway.config.frontdoor.max_headers)

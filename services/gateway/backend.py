@@ -138,6 +138,15 @@ class LocalBackend:
 
         return parse_lora_modules(getattr(self.engine_args, "lora_modules", None) or [])
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """A LoRA adapter loaded at run time (kvrelay.engine.lora.runtime); LoRAUpdateError if not."""
+        await self.engine.load_lora(name, path)
+        self.lora_modules[name] = Path(path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self.engine.unload_lora(name)
+        self.lora_modules.pop(name, None)
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -76,9 +76,10 @@ def build_backend(args: argparse.Namespace, prefill: str, decode: str):
 
 def run(args: argparse.Namespace) -> int:
     from kvrelay.gateway.app import Gateway, create_app
-    from kvrelay.gateway.serve import load_tenants
+    from kvrelay.gateway.serve import check_runtime_lora, load_tenants
 
     setup_logging(args.log_level, args.log_format)
+    check_runtime_lora(args, role="gateway")
     if not args.decode:
         raise SystemExit("kvrelay gateway: --decode is required (HOST:PORT,... or dns:///NAME:PORT); "
                          "--prefill is optional (decode workers can prefill locally)")

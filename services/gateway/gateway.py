@@ -73,6 +73,7 @@ class GatewayConfig:
     chat_template: str | None = None  # --chat-template: jinja2 source replacing the model's own
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning.PARSERS
     allowed_origins: list[str] = field(default_factory=list)  # --allowed-origins: CORS for browsers; []: none
+    runtime_lora: bool = False  # --allow-runtime-lora-updating: /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 @dataclass

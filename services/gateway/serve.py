@@ -110,6 +110,10 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                              "carry Connection: close) while load balancers take it out, before the "
                              "--shutdown-timeout drain; the operator sets 5 in pods. The grace period must "
                              "cover both")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and unload LoRA adapters "
+                             "while serving (kvrelay serve, one engine process, no tenants file: any caller may "
+                             "name any folder on the server; keep it behind --api-key)")
     parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
                         help="seconds from a request's arrival to its deadline (a tenant's request_timeout_s caps "
                              "it; 0: none); on expiry every hop aborts it and the client gets a 504, or an SSE "
@@ -142,6 +146,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          chat_template=chat_render.load_template(args.chat_template) if args.chat_template else None,
                          reasoning_parser=args.reasoning_parser,
                          allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
+                         runtime_lora=args.allow_runtime_lora_updating,
                          frontdoor=FrontDoorLimits(args.max_header_bytes, args.max_headers, args.header_timeout,
                                                    args.max_connections_per_client))
 
@@ -248,12 +253,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
 
 
+def check_runtime_lora(args: argparse.Namespace, role: str = "serve") -> None:
+    """--allow-runtime-lora-updating works where one engine process serves, and no tenants file
+    grants access (any caller could load any folder of the server)."""
+    if not args.allow_runtime_lora_updating:
+        return
+    if role != "serve" or getattr(args, "disaggregated", False):
+        raise SystemExit("kvrelay: --allow-runtime-lora-updating needs `kvrelay serve` with its own engine; "
+                         "across workers, name the adapters with --lora-modules on every role")
+    if args.tenants:
+        raise SystemExit("kvrelay: --allow-runtime-lora-updating lets any caller load a folder of this server: "
+                         "not with --tenants (use --api-key, or --lora-modules)")
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        raise SystemExit("kvrelay: --allow-runtime-lora-updating needs the model in one process (no tensor or "
+                         "pipeline parallelism); name the adapters with --lora-modules instead")
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
+    check_runtime_lora(args)
     if args.disaggregated:
         return run_disaggregated(args)
     # One CPU stays with the API process: an engine on every core is slowed by each chunk it writes.
-    engine_args = dataclasses.replace(EngineArgs.from_cli(args), reserved_cpus=1)
+    engine_args = dataclasses.replace(EngineArgs.from_cli(args), reserved_cpus=1,
+                                      enable_lora=args.enable_lora or args.allow_runtime_lora_updating)
     watchdog = WatchdogConfig(args.watchdog_timeout, grace_s=args.watchdog_grace)
     if args.engine_in_process:
         backend = LocalBackend(engine_args, watchdog=watchdog, stats_interval_s=args.stats_interval)

@@ -137,8 +137,8 @@ def test_bad_adapters_and_flags_fail_at_start_up(adapters, tmp_path):
         make_engine(BUNDLED_MODEL, lora_modules=["just-a-path"])
     with pytest.raises(ValueError, match="given twice"):
         make_engine(BUNDLED_MODEL, lora_modules=[f"a={adapters['attn']}", f"a={adapters['full']}"])
-    with pytest.raises(ValueError, match="--enable-lora: name the adapters"):
-        make_engine(BUNDLED_MODEL, enable_lora=True)
+    with pytest.raises(ValueError, match="--max-lora-rank must be >= 1"):
+        make_engine(BUNDLED_MODEL, enable_lora=True, max_lora_rank=0)
     # An adapter of another model: its shapes do not fit.
     bad = tmp_path / "bad"
     bad.mkdir()

@@ -86,6 +86,7 @@ class EngineCoreClient:
         self._info: EngineInfo | None = None
         self._stats: EngineStats | None = None
         self._streams: dict[str, asyncio.Queue] = {}
+        self._lora_ops: dict[str, asyncio.Future] = {}  # LoRA loads and unloads awaiting the engine
         self._dead: BaseException | None = None
         self.unhealthy: str | None = None  # the engine process's watchdog finds its step loop hung: why
         self._loop: asyncio.AbstractEventLoop | None = None  # set while the inbox is read
@@ -169,6 +170,23 @@ class EngineCoreClient:
         self._inbox.close()
         self._outbox.close()
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """As AsyncEngine.load_lora, in the engine process; raises LoRAUpdateError."""
+        await self._lora("load", name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._lora("unload", name, None)
+
+    async def _lora(self, op: str, name: str, path: str | None) -> None:
+        from kvrelay.engine.lora.runtime import LoRAUpdateError
+
+        op_id = uuid.uuid4().hex
+        fut = self._lora_ops[op_id] = self._loop.create_future()
+        self._send(("lora", op_id, op, name, path))
+        error = await fut
+        if error is not None:
+            raise LoRAUpdateError(error[1], error[0])
+
     def _send(self, message: tuple) -> None:
         self._outbox.send(encode(message))
 
@@ -201,6 +219,10 @@ class EngineCoreClient:
             stream = self._streams.get(msg[1])
             if stream is not None:
                 stream.put_nowait(msg[2])
+        elif kind == "lora_done":
+            fut = self._lora_ops.pop(msg[1], None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg[2])
         elif kind == "health":
             self.unhealthy = msg[1]
         elif kind == "fatal":
@@ -218,3 +240,6 @@ class EngineCoreClient:
             self._dead = error
         for stream in self._streams.values():
             stream.put_nowait(error)
+        for fut in self._lora_ops.values():
+            if not fut.done():
+                fut.set_exception(error)

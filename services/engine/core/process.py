@@ -92,9 +92,23 @@ class EngineCoreServer:
                 if task is not None:  # closing its generator frees the blocks; wait so the id is free again
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
+            elif kind == "lora":
+                asyncio.create_task(self._lora(*msg[1:]))
             elif kind == "shutdown":
                 stop.set()
                 return
+
+    async def _lora(self, op_id: str, op: str, name: str, path: str | None) -> None:
+        from kvrelay.engine.lora.runtime import LoRAUpdateError
+
+        error = None
+        try:
+            await (self.engine.load_lora(name, path) if op == "load" else self.engine.unload_lora(name))
+        except LoRAUpdateError as e:
+            error = (e.status, str(e))
+        except (EngineError, OSError, ValueError) as e:  # ModelLoadError: a bad adapter folder
+            error = (400, str(e))
+        self.outbox.send(encode(("lora_done", op_id, error)))
 
     async def _generate(self, rid: str, prompt, params, priority: int, salt: str | None) -> None:
         try:

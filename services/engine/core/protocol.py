@@ -9,6 +9,7 @@ API -> engine:
     ("add", request_id, prompt, SamplingParams, priority, cache_salt)
     ("abort", request_id)     the engine ends the request with finish_reason "abort"
     ("cancel", request_id)    the caller stopped reading: drop it, free its blocks, send nothing
+    ("lora", op_id, "load" | "unload", name, path)   a LoRA adapter loaded or unloaded at run time
     ("shutdown",)
 engine -> API:
     ("ready", EngineInfo)     once, first
@@ -16,6 +17,7 @@ engine -> API:
     ("error", request_id, EngineError)   the request was refused before scheduling
     ("stats", EngineStats)    when they changed, at most every STATS_INTERVAL_S
     ("fatal", message)        the step loop died; the process exits next
+    ("lora_done", op_id, None | (http_status, message))   the "lora" operation's outcome
 """
 
 from __future__ import annotations

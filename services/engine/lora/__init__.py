@@ -17,17 +17,17 @@ from kvrelay.engine.weights import ModelWeights
 
 def check_lora_args(args) -> None:
     """One clear error for flag combinations the adapters do not support."""
-    if args.enable_lora and not args.lora_modules:
-        raise ValueError("--enable-lora: name the adapters with --lora-modules NAME=PATH (adapters are loaded "
-                         "at start-up; loading them at run time is not supported)")
     if args.max_lora_rank < 1:
         raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
 
 
 def lora_names(args) -> LoRASet | None:
-    """The adapters' names alone (the driver of parallel workers), checked; None without any."""
+    """The adapters' names alone (the driver of parallel workers), checked; None without --lora-modules
+    or --enable-lora (which alone serves none until one is loaded at run time, lora/runtime.py)."""
     check_lora_args(args)
-    return LoRASet(list(parse_lora_modules(args.lora_modules))) if args.lora_modules else None
+    if not args.lora_modules and not args.enable_lora:
+        return None
+    return LoRASet(list(parse_lora_modules(args.lora_modules or [])))
 
 
 def read_adapters(lora_modules: list[str], config: ModelConfig, max_rank: int, dtype: torch.dtype) -> list[LoRAAdapter]:
@@ -40,5 +40,5 @@ def load_lora_set(args, config: ModelConfig, weights: ModelWeights, dtype: torch
     """The adapters of --lora-modules, attached to weights (one process); None without any."""
     lora = lora_names(args)
     if lora is not None:
-        lora.attach(weights, config, dtype, read_adapters(args.lora_modules, config, args.max_lora_rank, dtype))
+        lora.attach(weights, config, dtype, read_adapters(args.lora_modules or [], config, args.max_lora_rank, dtype))
     return lora

@@ -90,8 +90,11 @@ def _read_config(path: Path) -> dict:
     return cfg
 
 
-def load_adapter(name: str, path: Path, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
+def load_adapter(name: str, path: Path | str, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
     """Read and check one adapter against the base model's config (its layers and projection shapes)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: LoRA adapter folder not found")
     cfg = _read_config(path)
     rank, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
     if not 1 <= rank <= max_rank:

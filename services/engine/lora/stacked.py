@@ -52,21 +52,37 @@ class LoRALinear:
 
 
 class LoRASet:
-    """The adapters an engine serves, by name; index k of a name is its place in every stack. (The
-    driver of parallel workers keeps only the names: each worker attaches its own shards.)"""
+    """The adapters an engine serves. Slot k holds one adapter: its place in every stack, and the
+    index a sequence carries (Sequence.lora). A slot keeps its adapter while sequences use it, even
+    once it is unloaded (kvrelay.engine.lora.runtime); only then is it reused. (The driver of
+    parallel workers keeps only the names: each worker attaches its own shards.)"""
 
     def __init__(self, names: list[str]):
-        self.names = list(names)
-        self.index = {name: k for k, name in enumerate(self.names)}
+        self.names: list[str] = list(names)  # slot -> adapter name (an unloaded slot's too)
+        self.index = {name: k for k, name in enumerate(self.names)}  # the adapters requests may name
+        # slot -> the key that salts its prefix cache: the name, or name@N for the N-th runtime load
+        # (a later adapter under an earlier name must not hit the earlier one's K/V)
+        self.cache_keys: list[str] = list(self.names)
+        self.slots: list[LoRAAdapter | None] = []  # host copies, to restack (one process only)
+        self.loads = 0  # adapters loaded at run time so far
 
     def attach(self, weights: ModelWeights, config: ModelConfig, dtype: torch.dtype,
-               adapters: list[LoRAAdapter]) -> None:
+               adapters: list[LoRAAdapter | None]) -> None:
         """Give every targeted Linear of weights (config: their shapes, a rank's own under tensor
-        parallelism) its stacks of adapters (in self.names' order), on the weights' device."""
-        assert [a.name for a in adapters] == self.names
+        parallelism) the stacks of adapters, one per slot (None: an empty slot), on the weights'
+        device; Linears no adapter targets lose theirs."""
+        assert [a.name for a in adapters if a] == [n for n, a in zip(self.names, adapters) if a]
+        self.slots = list(adapters)
+        for lw in weights.layers:
+            for lin in (lw.qkv, lw.o_proj, lw.gate_up, lw.down):
+                if lin is not None:
+                    lin.lora = None
+        live = [a for a in adapters if a is not None]
+        if not live:
+            return
         layout = _layout(config)
-        rank = max(a.rank for a in adapters)
-        targets = sorted({(layer, MODULES[module][0]) for a in adapters for layer, module in a.modules})
+        rank = max(a.rank for a in live)
+        targets = sorted({(layer, MODULES[module][0]) for a in live for layer, module in a.modules})
         for layer, fused in targets:
             lin = getattr(weights.layers[layer], fused)
             if lin is None:
@@ -80,7 +96,7 @@ class LoRASet:
             b_stack = torch.zeros(len(adapters), out_dim, blocks * rank, dtype=dtype)
             used = [False] * len(adapters)
             for k, adapter in enumerate(adapters):
-                for (li, module), m in adapter.modules.items():
+                for (li, module), m in (adapter.modules.items() if adapter else ()):
                     if li != layer or MODULES[module][0] != fused:
                         continue
                     block, lo, hi = parts[MODULES[module][1]]
@@ -90,8 +106,6 @@ class LoRASet:
                     used[k] = True
             device = weights.embed.device
             lin.lora = LoRALinear(a_stack.to(device), b_stack.to(device), used)
-        for adapter in adapters:  # the stacks hold them now
-            adapter.modules.clear()
 
 
 def step_plan(token_adapters: np.ndarray, device: torch.device) -> list[tuple[int, torch.Tensor | None]] | None:
@@ -112,9 +126,9 @@ def request_counts(adapters: LoRASet | None, scheduler) -> dict[str, dict[str, i
         return {}
     out = {}
     for field_name, seqs in (("lora_running", scheduler.running), ("lora_waiting", scheduler.waiting)):
-        requests: dict[str, set[str]] = {name: set() for name in adapters.names}
+        requests: dict[str, set[str]] = {name: set() for name in adapters.index}
         for seq in seqs:
             if seq.lora >= 0:
-                requests[adapters.names[seq.lora]].add(seq.request_id)
+                requests.setdefault(adapters.names[seq.lora], set()).add(seq.request_id)
         out[field_name] = {name: len(ids) for name, ids in requests.items()}
     return out
