@@ -47,3 +47,11 @@ def peft_greedy(model_dir: Path | str, adapter_dir: Path | str, prompt_ids: list
         seq = model.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False)
     return seq[0, len(prompt_ids):].tolist()
+
+
+def two_adapters(root: Path, model_dir: Path | str) -> dict[str, str]:
+    """The tests' pair: "attn" (q/k/v/o, rank 4) and "full" (every projection, rank 8, rsLoRA's
+    scale), so that different ranks and targets stack together."""
+    return {"attn": str(save_adapter(model_dir, root / "attn", ATTENTION, r=4, alpha=8, seed=1, scale=0.5)),
+            "full": str(save_adapter(model_dir, root / "full", ALL_LINEAR, r=8, alpha=16, seed=2, scale=0.3,
+                                     use_rslora=True))}

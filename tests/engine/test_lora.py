@@ -12,7 +12,7 @@ from helpers import PROMPTS, hf_greedy, make_engine, run_engine
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer.convert import params_from_proto, params_to_proto
-from lora_adapters import ALL_LINEAR, ATTENTION, peft_greedy, save_adapter
+from lora_adapters import peft_greedy, two_adapters
 from safetensors.torch import load_file, save_file
 
 from kvrelay.models import BUNDLED_MODEL
@@ -22,13 +22,7 @@ N = 12
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("lora")
-    return {
-        # q/k/v/o at rank 4, and every projection at rank 8 with rsLoRA's scale: different ranks stack.
-        "attn": str(save_adapter(BUNDLED_MODEL, root / "attn", ATTENTION, r=4, alpha=8, seed=1, scale=0.5)),
-        "full": str(save_adapter(BUNDLED_MODEL, root / "full", ALL_LINEAR, r=8, alpha=16, seed=2, scale=0.3,
-                                 use_rslora=True)),
-    }
+    return two_adapters(tmp_path_factory.mktemp("lora"), BUNDLED_MODEL)
 
 
 @pytest.fixture(scope="module")

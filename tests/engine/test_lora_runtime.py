@@ -10,7 +10,7 @@ from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.lora.adapter import load_adapter
 from kvrelay.engine.lora.runtime import LoRAUpdateError, add_adapter, remove_adapter
 from kvrelay.engine.sampling_params import SamplingParams
-from lora_adapters import ALL_LINEAR, ATTENTION, peft_greedy, save_adapter
+from lora_adapters import peft_greedy, two_adapters
 
 from kvrelay.models import BUNDLED_MODEL
 
@@ -20,9 +20,7 @@ N = 10
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("lora")
-    return {"attn": str(save_adapter(BUNDLED_MODEL, root / "attn", ATTENTION, r=4, alpha=8, seed=1, scale=0.5)),
-            "full": str(save_adapter(BUNDLED_MODEL, root / "full", ALL_LINEAR, r=8, alpha=16, seed=2, scale=0.3))}
+    return two_adapters(tmp_path_factory.mktemp("lora"), BUNDLED_MODEL)
 
 
 def _greedy(lora: str | None) -> SamplingParams:

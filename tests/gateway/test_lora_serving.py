@@ -15,7 +15,7 @@ from kvrelay.gateway.tenants import hash_key
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
 from helpers import serve
-from lora_adapters import ALL_LINEAR, ATTENTION, peft_greedy, save_adapter
+from lora_adapters import peft_greedy, two_adapters
 
 from kvrelay.models import BUNDLED_MODEL
 
@@ -25,9 +25,7 @@ N = 10
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("lora")
-    return {"attn": str(save_adapter(BUNDLED_MODEL, root / "attn", ATTENTION, r=4, alpha=8, seed=1, scale=0.5)),
-            "full": str(save_adapter(BUNDLED_MODEL, root / "full", ALL_LINEAR, r=8, alpha=16, seed=2, scale=0.3))}
+    return two_adapters(tmp_path_factory.mktemp("lora"), BUNDLED_MODEL)
 
 
 @pytest.fixture(scope="module")
