@@ -12,6 +12,7 @@ import time
 
 import torch
 from kvrelay.engine import logits_processors
+from kvrelay.engine.bad_words import BadWords, word_forms
 from kvrelay.engine.block_pool import cache_root
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.errors import InvalidRequestError, PromptTooLongError
@@ -104,6 +105,7 @@ class RequestBuilderMixin:
             frozenset() if params.ignore_eos and grammar is None else self.eos_ids)
         allowed = None if params.allowed_token_ids is None else to_device(
             sorted(set(params.allowed_token_ids)), self.device, torch.int64)
+        forms = word_forms(self.tokenizer, params.bad_words) if params.bad_words else None
         ban_ids = None
         if params.min_tokens > 0 and stop_ids:
             ban_ids = to_device(sorted(stop_ids), self.device, torch.int64)
@@ -133,8 +135,8 @@ class RequestBuilderMixin:
                 logit_bias=bias,
                 adjusts_logits=params.repetition_penalty != 1.0 or bool(params.presence_penalty)
                 or bool(params.frequency_penalty) or bias is not None or params.min_tokens > 0 or allowed is not None
-                or bool(params.logits_processors),
-                processors=logits_processors.instantiate(params.logits_processors),
+                or bool(params.logits_processors) or forms is not None,
+                processors=logits_processors.instantiate(params.logits_processors) + ([BadWords(forms)] if forms else []),
                 grammar=None if grammar is None else GrammarState(
                     grammar.deep_copy(), self.tokenizer.vocab_size, params.structured.think_tokens,
                     params.structured.thinking),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvrelay.engine.bad_words import MAX_WORD_CHARS as MAX_BAD_WORD_CHARS
+from kvrelay.engine.bad_words import MAX_WORDS as MAX_BAD_WORDS
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.structured.spec import KINDS, GuidedSpec
 
@@ -34,6 +36,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the stop string, or stop token's text, ends the text
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these ids
+    bad_words: list[str] | None = None  # vLLM's: words the output may not contain (kvrelay.engine.bad_words)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     # Plugin logits processors by name, with their arguments (kvrelay.engine.logits_processors).
     logits_processors: dict[str, dict] | None = None
@@ -123,6 +126,11 @@ class SamplingParams:
         if think is not None and (len(think) != 2 or not all(
                 isinstance(t, int) and 0 <= t < (vocab_size or 2**31) for t in think)):
             bad("structured_outputs", f"think tokens must be two token ids below the vocab size, got {think!r}")
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS
+                or not all(isinstance(w, str) and w.strip() and len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words)):
+            bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} non-blank words of at most "
+                             f"{MAX_BAD_WORD_CHARS} characters")
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             bad("lora", f"must be an adapter's name, got {self.lora!r}")
 

@@ -191,6 +191,7 @@ class Gateway:
             stop_token_ids=list(body.stop_token_ids or []), skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             allowed_token_ids=None if body.allowed_token_ids is None else list(body.allowed_token_ids),
+            bad_words=list(body.bad_words) if body.bad_words else None,
             logits_processors=logits_processors.normalise(body.logits_processors),
             structured=checked(requested_spec(body), self.backend.tokenizer),
             prompt_logprobs=body.prompt_logprobs,

@@ -81,6 +81,7 @@ class _SamplingFields(StructuredFields):  # structured-output fields: gateway/st
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
     allowed_token_ids: Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=1, max_length=2**17)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=100)]], Field(max_length=100)] | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -26,6 +26,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.logit_bias.update(p.logit_bias)
     if p.allowed_token_ids:
         msg.allowed_token_ids.extend(p.allowed_token_ids)
+    if p.bad_words:
+        msg.bad_words.extend(p.bad_words)
     if p.structured is not None:
         s = p.structured
         msg.structured.CopyFrom(common_pb2.GuidedSpec(kind=s.kind, value=s.value, field=s.field,
@@ -41,6 +43,7 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         setattr(p, k, getattr(msg, k) if msg.HasField(k) else None)
     p.logit_bias = dict(msg.logit_bias) or None
     p.allowed_token_ids = list(msg.allowed_token_ids) or None
+    p.bad_words = list(msg.bad_words) or None
     if msg.HasField("structured"):
         s = msg.structured
         p.structured = GuidedSpec(s.kind, s.value, s.field or "structured_outputs",

@@ -101,6 +101,16 @@ def test_allowed_token_ids_restrict_what_is_sampled(open_gateway, client):
         **GREEDY, prompt=PROMPT, max_tokens=2, extra_body={"allowed_token_ids": [512]}), "allowed_token_ids")
 
 
+def test_bad_words_keep_words_out_of_the_text(client):
+    free = client.completions.create(**GREEDY, prompt=PROMPT, max_tokens=24).choices[0].text
+    words = free.split()[2:4]  # words the greedy continuation reaches
+    text = client.completions.create(**GREEDY, prompt=PROMPT, max_tokens=24,
+                                     extra_body={"bad_words": words}).choices[0].text
+    assert text != free and not set(words) & set(text.split()), (words, text)
+    assert "bad_words" in _bad(lambda: client.completions.create(
+        **GREEDY, prompt=PROMPT, max_tokens=2, extra_body={"bad_words": ["w"] * 101}), "bad_words")
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(open_gateway, client):
     ids = _ids(open_gateway, prompt=PROMPT)
     whole = client.completions.create(**GREEDY, prompt=ids[-6:], max_tokens=8)

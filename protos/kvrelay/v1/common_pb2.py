@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/common.proto\x12\nkvrelay.v1\"\xab\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x11\n\x04seed\x18\x0b \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).kvrelay.v1.SamplingParams.LogitBiasEntry\x12*\n\nstructured\x18\x12 \x01(\x0b\x32\x16.kvrelay.v1.GuidedSpec\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x03\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\r\x12\x11\n\x04lora\x18\x16 \x01(\tH\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x07\n\x05_lora\"`\n\nGuidedSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x14\n\x0cthink_tokens\x18\x04 \x03(\r\x12\x10\n\x08thinking\x18\x05 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvrelay.v1.TopLogprob\"\x93\x03\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12\x14\n\x0chas_logprobs\x18\x06 \x01(\x08\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x0b \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x0c \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12\x1b\n\x13has_prompt_logprobs\x18\x0e \x01(\x08\x42\r\n\x0bstop_reason\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/common.proto\x12\nkvrelay.v1\"\xbe\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12\x11\n\x04seed\x18\x0b \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).kvrelay.v1.SamplingParams.LogitBiasEntry\x12*\n\nstructured\x18\x12 \x01(\x0b\x32\x16.kvrelay.v1.GuidedSpec\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x03\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\r\x12\x11\n\x04lora\x18\x16 \x01(\tH\x04\x88\x01\x01\x12\x11\n\tbad_words\x18\x17 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x07\n\x05_lora\"`\n\nGuidedSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x14\n\x0cthink_tokens\x18\x04 \x03(\r\x12\x10\n\x08thinking\x18\x05 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvrelay.v1.TopLogprob\"\x93\x03\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12\x14\n\x0chas_logprobs\x18\x06 \x01(\x08\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x0b \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x0c \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12\x1b\n\x13has_prompt_logprobs\x18\x0e \x01(\x08\x42\r\n\x0bstop_reason\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=723
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=609
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=657
-  _globals['_GUIDEDSPEC']._serialized_start=725
-  _globals['_GUIDEDSPEC']._serialized_end=821
-  _globals['_TOPLOGPROB']._serialized_start=823
-  _globals['_TOPLOGPROB']._serialized_end=870
-  _globals['_TOKENLOGPROB']._serialized_start=872
-  _globals['_TOKENLOGPROB']._serialized_end=958
-  _globals['_REQUESTOUTPUT']._serialized_start=961
-  _globals['_REQUESTOUTPUT']._serialized_end=1364
-  _globals['_TOKENIDS']._serialized_start=1366
-  _globals['_TOKENIDS']._serialized_end=1389
+  _globals['_SAMPLINGPARAMS']._serialized_end=742
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=628
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=676
+  _globals['_GUIDEDSPEC']._serialized_start=744
+  _globals['_GUIDEDSPEC']._serialized_end=840
+  _globals['_TOPLOGPROB']._serialized_start=842
+  _globals['_TOPLOGPROB']._serialized_end=889
+  _globals['_TOKENLOGPROB']._serialized_start=891
+  _globals['_TOKENLOGPROB']._serialized_end=977
+  _globals['_REQUESTOUTPUT']._serialized_start=980
+  _globals['_REQUESTOUTPUT']._serialized_end=1383
+  _globals['_TOKENIDS']._serialized_start=1385
+  _globals['_TOKENIDS']._serialized_end=1408
 # @@protoc_insertion_point(module_scope)
