@@ -58,6 +58,7 @@ def cpu_kv_cache_blocks(bytes_per_block: int, block_size: int, max_num_seqs: int
 class EngineArgs:
     model: str = str(BUNDLED_MODEL)
     served_model_name: str | None = None
+    served_model_aliases: tuple[str, ...] = ()  # more names the gateway accepts (--served-model-name A B C)
     dtype: str = "auto"  # auto: the config's torch_dtype (float32 for the bundled model)
     load_format: str = "auto"  # auto | dummy (random weights from config.json alone)
     quantization: str | None = None  # None | "int8" (W8A16, per output channel) | "fp8" (W8A8: per channel, per token)
@@ -120,7 +121,9 @@ class EngineArgs:
             "--model", default=d.model, help="Hugging Face model folder (default: bundled stories260K)"
         )
         parser.add_argument(
-            "--served-model-name", default=None, help="model id clients use (default: folder name)"
+            "--served-model-name", nargs="+", default=None, metavar="NAME",
+            help="model id clients use (default: folder name); more names are aliases the gateway also "
+            "accepts and lists, answering with the first",
         )
         parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
         parser.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
@@ -269,7 +272,11 @@ class EngineArgs:
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**{k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)})
+        kw = {k: getattr(args, k) for k in cls.__dataclass_fields__ if hasattr(args, k)}
+        names = kw.get("served_model_name")
+        if isinstance(names, list):  # --served-model-name NAME [ALIAS ...]
+            kw["served_model_name"], kw["served_model_aliases"] = names[0], tuple(names[1:])
+        return cls(**kw)
 
 
 def add_multinode_args(parser: argparse.ArgumentParser) -> None:

@@ -53,6 +53,7 @@ class Backend(Protocol):
     roles: tuple[str, ...]  # role labels of the queue-depth metric: ("engine",) or ("prefill", "decode")
     capacity: int
     lora_modules: dict[str, Path]  # the LoRA adapters served, by name (kvrelay.engine.lora)
+    model_aliases: tuple[str, ...]  # more names of the model (--served-model-name NAME ALIAS...)
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                  priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]: ...
@@ -131,6 +132,10 @@ class LocalBackend:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def model_aliases(self) -> tuple[str, ...]:
+        return tuple(getattr(self.engine_args, "served_model_aliases", ()))
 
     @functools.cached_property
     def lora_modules(self) -> dict[str, Path]:

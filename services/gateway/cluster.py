@@ -27,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", default="", help="decode workers: HOST:PORT,... or dns:///NAME:PORT")
     parser.add_argument("--model", default=str(BUNDLED_MODEL),
                         help="model folder the workers serve: the gateway reads its tokenizer and configs only")
-    parser.add_argument("--served-model-name", default=None, help="model id clients use (default: folder name)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="model id clients use (default: folder name); more names are aliases also accepted and "
+                             "listed, answered with the first")
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         help="the LoRA adapters the workers serve (give them the same flag): a request whose model "
                              "is NAME runs with that adapter; the gateway reads only the names")
@@ -65,7 +67,8 @@ def build_backend(args: argparse.Namespace, prefill: str, decode: str):
     from kvrelay.engine.lora.adapter import parse_lora_modules
     from kvrelay.gateway.disaggregated import DisaggregatedBackend
 
-    return DisaggregatedBackend(prefill, decode, args.model, args.served_model_name,
+    names = args.served_model_name or [None]
+    return DisaggregatedBackend(prefill, decode, args.model, names[0], model_aliases=tuple(names[1:]),
                                 lora_modules=parse_lora_modules(args.lora_modules or []),
                                 capacity=args.capacity or 256, dns_refresh_s=args.dns_refresh,
                                 routing_policy=getattr(args, "routing_policy", None),

@@ -43,7 +43,8 @@ class DisaggregatedBackend:
                  capacity: int = 256, dns_refresh_s: float = 5.0, eject_after_s: float = 1.0,
                  load_interval_s: float = 0.2, routing_policy: str | None = None,
                  stall: StallConfig | None = None, breaker: BreakerConfig | None = None,
-                 max_message_bytes: int | None = None, lora_modules: dict[str, Path] | None = None):
+                 max_message_bytes: int | None = None, lora_modules: dict[str, Path] | None = None,
+                 model_aliases: tuple[str, ...] = ()):
         """max_message_bytes: the largest gRPC message read from or sent to a decode worker (the workers'
         --max-message-bytes; None: the default, 4 MiB). lora_modules: the workers' LoRA adapters by name."""
         from kvrelay.kvtransfer import client  # noqa: F401 - fail early if the workers' client is missing
@@ -55,6 +56,7 @@ class DisaggregatedBackend:
         self.tokenizer = Tokenizer(self.model_dir)
         self._served_model_name = served_model_name
         self.lora_modules = lora_modules or {}
+        self.model_aliases = model_aliases
         self._reported_model_id: str | None = None
         self.capacity = capacity
         self.load_interval_s = load_interval_s

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kvrelay.engine import logits_processors
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.gateway import chat_render, errors, reasoning
+from kvrelay.gateway import chat_render, errors, model_names, reasoning
 from kvrelay.gateway.backend import Backend
 from kvrelay.gateway.deadlines import request_timeout
 from kvrelay.gateway.errors import ApiError
@@ -164,12 +164,8 @@ class Gateway:
     # ------------------------------------------------------------------ validation
 
     def check_model(self, model: str, tenant: Tenant) -> None:
-        """The served model or one of its LoRA adapters (each a model of its own to tenants' allow lists)."""
-        adapters = self.backend.lora_modules
-        if model != self.backend.model_name and model not in adapters:
-            raise errors.model_not_found(model, [self.backend.model_name, *adapters])
-        if not tenant.may_use(model):
-            raise errors.forbidden(f"Tenant {tenant.id!r} may not use model {model!r}", "model")
+        """The model by a name it is served under (model_names.py); 404 or 403 otherwise."""
+        model_names.check_model(self.backend, model, tenant)
 
     def _params(self, body, max_tokens: int | None, max_tokens_field: str, logprobs: int | None) -> SamplingParams:
         defaults = self.backend.default_sampling_params()
@@ -338,7 +334,7 @@ class Gateway:
         if body.echo and body.logprobs is not None:
             params.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         reserve = self._fit_context(prompts, params, "prompt")
-        p = Prepared("completion", f"cmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
+        p = Prepared("completion", f"cmpl-{uuid.uuid4().hex}", model_names.answered_as(self.backend, body.model), tenant, prompts, params,
                      body.stream, bool(body.stream_options and body.stream_options.include_usage),
                      body.logprobs is not None, reserve)
         p.cache_salt = self.cache_salt(tenant, body.cache_salt)
@@ -384,7 +380,7 @@ class Gateway:
             if params.structured is not None:
                 params.structured = reasoning.grammar_after_thinking(params.structured, tok, tail)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", body.model, tenant, prompts, params,
+        return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", model_names.answered_as(self.backend, body.model), tenant, prompts, params,
                         body.stream, include_usage, body.logprobs, reserve,
                         cache_salt=self.cache_salt(tenant, body.cache_salt), tools=plan,
                         prompt_logprobs=body.prompt_logprobs is not None, priority=_request_priority(body, tenant),

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from kvrelay.gateway import errors
 from kvrelay.gateway.deps import gateway_of, tenant_of
+from kvrelay.gateway.model_names import may_use, served_names
 from kvrelay.gateway.schemas import ERROR_RESPONSES, ModelCard, ModelList
 from kvrelay.gateway.tenants import Tenant
 
@@ -26,8 +27,8 @@ def _card(backend, model: str) -> dict:
             responses={401: ERROR_RESPONSES[401]})
 async def models(request: Request, tenant: Annotated[Tenant, Depends(tenant_of)]):
     backend = gateway_of(request).backend
-    names = [backend.model_name, *backend.lora_modules]
-    return {"object": "list", "data": [_card(backend, m) for m in names if tenant.may_use(m)]}
+    return {"object": "list", "data": [_card(backend, m) for m in served_names(backend)
+                                       if may_use(backend, tenant, m)]}
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard, response_model_exclude_none=True,

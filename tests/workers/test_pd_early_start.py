@@ -65,7 +65,7 @@ async def test_a_probe_the_cache_outran_starts_over_without_early_start(monkeypa
     try:
         await _tokens(engine.generate(PREFIX + [5], PARAMS))
         probe = engine.engine.probe_cached_blocks
-        monkeypatch.setattr(engine.engine, "probe_cached_blocks", lambda ids, salt: probe(ids, salt) + 1)
+        monkeypatch.setattr(engine.engine, "probe_cached_blocks", lambda ids, salt, lora=None: probe(ids, salt, lora) + 1)
         loads = []
 
         async def load(res):
