@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (prompt i uses seed + i)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--lora", default=None, metavar="NAME",
+                        help="generate with this adapter of --lora-modules (default: the base model)")
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt, with token ids"
     )
@@ -39,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
                 top_k=args.top_k,
                 seed=None if args.seed is None else args.seed + i,
                 stop=list(args.stop),
+                lora=args.lora,
             )
             engine.add_request(prompt, params, str(i))
             results[str(i)] = {"prompt": prompt, "text": "", "token_ids": [], "finish_reason": None}

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 from helpers import PROMPTS, hf_greedy, make_engine, run_engine
@@ -149,3 +151,14 @@ def test_vllm_json_form_of_lora_modules(adapters):
     spec = json.dumps({"name": "attn", "path": adapters["attn"]})
     engine = make_engine(BUNDLED_MODEL, lora_modules=[spec])
     assert engine.model.adapters.names == ["attn"]
+
+
+def test_generate_cli_runs_an_adapter(engine, adapters):
+    argv = [sys.executable, "-m", "kvrelay.cli", "generate", PROMPTS[0], "--json", "--max-tokens", "8",
+            "--lora-modules", f"attn={adapters['attn']}"]
+    out = subprocess.run([*argv, "--lora", "attn"], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    want = run_engine(engine, {"cli": (PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, lora="attn"))})
+    assert json.loads(out.stdout)["token_ids"] == want["cli"]
+    bad = subprocess.run([*argv, "--lora", "nope"], capture_output=True, text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and "no LoRA adapter 'nope'" in bad.stderr
