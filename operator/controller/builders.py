@@ -139,7 +139,7 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
             "--metrics-port", str(c.GATEWAY_METRICS_PORT),
             # The gateway tokenizes prompts (quotas, prefix routing) with the model's own tokenizer.
             "--model", spec.model.uri,
-            "--served-model-name", spec.model.name,
+            "--served-model-name", spec.model.name, *spec.model.aliases,
             "--shutdown-delay", str(c.GATEWAY_SHUTDOWN_DELAY_S),
             "--shutdown-timeout", str(spec.gateway.shutdown_timeout_seconds),
         ]

@@ -84,6 +84,7 @@ class ModelSpec:
     quantization: str = "none"
     # LoRA adapters served beside the model: (name clients send, folder inside the pod), in order.
     lora_adapters: tuple[tuple[str, str], ...] = ()
+    aliases: tuple[str, ...] = ()  # more names the gateway answers to (as `name`)
 
 
 @dataclass(frozen=True)
@@ -282,6 +283,20 @@ def _lora_adapters(model: Mapping[str, Any], model_name: str) -> tuple[tuple[str
     return tuple(out)
 
 
+def _aliases(model: Mapping[str, Any], model_name: str) -> tuple[str, ...]:
+    """spec.model.aliases: more names clients may send, answered as the model's name."""
+    out: list[str] = []
+    adapters = {a.get("name") for a in _list(model, "loraAdapters", "spec.model") if isinstance(a, Mapping)}
+    for i, alias in enumerate(_list(model, "aliases", "spec.model")):
+        path = f"spec.model.aliases[{i}]"
+        if not isinstance(alias, str) or not re.fullmatch(r"\S+", alias):
+            raise InvalidSpec(f"{path} must be a non-empty name without spaces, got {alias!r}")
+        if alias == model_name or alias in out or alias in adapters:
+            raise InvalidSpec(f"{path} {alias!r} is already the name of the model, of another alias or of an adapter")
+        out.append(alias)
+    return tuple(out)
+
+
 def parse_spec(spec: Mapping[str, Any] | None, resource_name: str) -> InferenceServiceSpec:
     """Parse and validate a resource's spec; raise InvalidSpec naming the first bad field."""
     spec = _obj(spec, "spec")
@@ -297,6 +312,7 @@ def parse_spec(spec: Mapping[str, Any] | None, resource_name: str) -> InferenceS
         dtype=_enum(model_src, "dtype", "spec.model", DTYPES),
         quantization=_enum(model_src, "quantization", "spec.model", QUANTIZATIONS),
         lora_adapters=_lora_adapters(model_src, str(model_src.get("name") or resource_name)),
+        aliases=_aliases(model_src, str(model_src.get("name") or resource_name)),
     )
     a = _obj(spec.get("autoscaling"), "spec.autoscaling")
     p = "spec.autoscaling"

@@ -12,7 +12,7 @@ from kvrelay.operator.spec import parse_spec
 
 from kvrelay import cli
 
-SPEC = {"model": {"uri": "/models/m", "name": "m", "dtype": "float32", "quantization": "int8",
+SPEC = {"model": {"uri": "/models/m", "name": "m", "dtype": "float32", "quantization": "int8", "aliases": ["m2", "m3"],
                   "loraAdapters": [{"name": "sql", "uri": "/adapters/sql"}, {"name": "chat", "uri": "/adapters/chat"}]},
         "tenants": {"secretRef": {"name": "t"}}, "redis": {"url": "redis://r:6379/0"},
         "kvTransfer": {"sharedMemory": {"size": "1Gi"}}}
@@ -46,6 +46,7 @@ def test_pod_arguments_parse(role, transport):
         assert parsed.redis_url == "$(KVRELAY_REDIS_URL)"  # the kubelet substitutes it from env
         assert parsed.model == "/models/m"  # the gateway tokenizes with the served model's tokenizer
         assert parsed.shutdown_delay == 5
+        assert parsed.served_model_name == ["m", "m2", "m3"]
     else:
         assert parsed.model == "/models/m" and parsed.port == 50051 and parsed.metrics_port == 9090
         assert parsed.dtype == "float32" and parsed.quantization == "int8"

@@ -185,6 +185,7 @@ def test_lora_adapters_reach_every_role_and_the_api_server_refuses_a_name_twice(
     assert refused.returncode != 0 and "Duplicate value" in refused.stderr, refused.stderr
     ok = small("lora", namespace)
     ok["spec"]["model"]["loraAdapters"] = [{"name": "sql", "uri": "/a/sql"}]
+    ok["spec"]["model"]["aliases"] = ["m-latest"]
     kube.apply(ok)
 
     def args(role: str) -> list[str]:
@@ -194,6 +195,8 @@ def test_lora_adapters_reach_every_role_and_the_api_server_refuses_a_name_twice(
     for role in c.ROLES:
         wait_for(lambda role=role: "sql=/a/sql" in args(role), what=f"the {role} Deployment to serve the adapter")
         assert args(role)[args(role).index("--lora-modules") + 1] == "sql=/a/sql"
+    gateway = args("gateway")
+    assert gateway[gateway.index("--served-model-name") + 1:][:2] == ["lora", "m-latest"]
 
 
 def test_child_edited_or_deleted_by_hand_is_restored(chart, operator, namespace):

@@ -101,6 +101,9 @@ def test_schema_and_operator_both_reject(bad, field):
     ({"model": {"uri": "/m", "loraAdapters": [{"name": "a", "uri": "/a"}, {"name": "a", "uri": "/b"}]}},
      "loraAdapters[1].name 'a' is already"),
     ({"model": {"uri": "/m", "loraAdapters": "a=/a"}}, "spec.model.loraAdapters must be a list"),
+    ({"model": {"uri": "/m", "aliases": ["x"]}}, "spec.model.aliases[0] 'x' is already the name of the model"),
+    ({"model": {"uri": "/m", "aliases": ["a b"]}}, "spec.model.aliases[0] must be a non-empty name without spaces"),
+    ({"model": {"uri": "/m", "aliases": ["s"], "loraAdapters": [{"name": "s", "uri": "/a"}]}}, "of an adapter"),
 ])
 def test_invalid_specs_name_the_field(bad, message):
     with pytest.raises(InvalidSpec, match=re.escape(message)):
