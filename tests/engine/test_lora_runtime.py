@@ -5,12 +5,13 @@ old name gets none of the old one's cached K/V; slots are reused only once free.
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import make_engine, run_engine
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.lora.adapter import load_adapter
 from kvrelay.engine.lora.runtime import LoRAUpdateError, add_adapter, remove_adapter
 from kvrelay.engine.sampling_params import SamplingParams
-from lora_adapters import peft_greedy, two_adapters
+from lora_adapters import ATTENTION, peft_greedy, save_adapter, two_adapters
 
 from kvrelay.models import BUNDLED_MODEL
 
@@ -81,3 +82,30 @@ def test_refusals(folders):
     with pytest.raises(LoRAUpdateError, match="start it with --enable-lora") as e:
         _load(make_engine(BUNDLED_MODEL), "x", folders["attn"])
     assert e.value.status == 501
+
+
+def test_a_load_that_fails_leaves_the_loaded_adapters_serving(tmp_path):
+    """On a mixture-of-experts model an adapter may target attention only: one that targets the MLP
+    fails as it is attached, before anything changed; the adapter already loaded keeps its output."""
+    from kvrelay.engine.errors import ModelLoadError
+    from safetensors.torch import load_file, save_file
+    from tiny_models import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "mixtral", "mixtral")
+    good = save_adapter(model, tmp_path / "good", ATTENTION, r=4, alpha=8, seed=1, scale=0.5)
+    engine = make_engine(model, enable_lora=True)
+    _load(engine, "good", str(good))
+    before = run_engine(engine, {"1": (PROMPT, _greedy("good"))})["1"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((good / "adapter_config.json").read_text())
+    tensors = load_file(str(good / "adapter_model.safetensors"))
+    h, i = engine.config.hidden_size, engine.config.intermediate_size
+    prefix = "base_model.model.model.layers.0.mlp.gate_proj"
+    tensors |= {f"{prefix}.lora_A.weight": torch.zeros(4, h), f"{prefix}.lora_B.weight": torch.zeros(i, 4)}
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(ModelLoadError, match="may target attention only"):
+        _load(engine, "bad", str(bad))
+    assert list(engine.model.adapters.index) == ["good"]
+    assert run_engine(engine, {"2": (PROMPT, _greedy("good"))})["2"] == before
+    assert before != run_engine(engine, {"3": (PROMPT, _greedy(None))})["3"]

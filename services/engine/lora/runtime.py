@@ -47,18 +47,17 @@ def add_adapter(engine, adapter: LoRAAdapter) -> None:
     if adapter.name == engine.model_name:
         raise LoRAUpdateError(f"{adapter.name!r} is the base model's name")
     free = _retired_free(lora, _slots_in_use(engine))
-    for j in free:  # unloaded adapters nothing uses any more: their weights go
-        lora.slots[j] = None
-    if free:
-        k = free[0]
-    else:
-        k = len(lora.slots)
-        lora.slots.append(None)
+    slots = [None if j in free else a for j, a in enumerate(lora.slots)]  # unused unloaded adapters go
+    k = free[0] if free else len(slots)
+    if k == len(slots):
+        slots.append(None)
+    slots[k] = adapter
+    lora.attach(engine.model.w, engine.config, engine.dtype, slots)  # raises before changing anything
+    if k == len(lora.names):
         lora.names.append("")
         lora.cache_keys.append("")
     lora.loads += 1
-    lora.slots[k], lora.names[k], lora.cache_keys[k] = adapter, adapter.name, f"{adapter.name}@{lora.loads}"
-    lora.attach(engine.model.w, engine.config, engine.dtype, lora.slots)
+    lora.names[k], lora.cache_keys[k] = adapter.name, f"{adapter.name}@{lora.loads}"
     lora.index[adapter.name] = k
 
 

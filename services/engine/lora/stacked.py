@@ -70,19 +70,26 @@ class LoRASet:
                adapters: list[LoRAAdapter | None]) -> None:
         """Give every targeted Linear of weights (config: their shapes, a rank's own under tensor
         parallelism) the stacks of adapters, one per slot (None: an empty slot), on the weights'
-        device; Linears no adapter targets lose theirs."""
-        assert [a.name for a in adapters if a] == [n for n, a in zip(self.names, adapters) if a]
-        self.slots = list(adapters)
+        device; Linears no adapter targets lose theirs. Raises before changing anything."""
+        stacks = self._stacks(weights, config, dtype, adapters)
         for lw in weights.layers:
             for lin in (lw.qkv, lw.o_proj, lw.gate_up, lw.down):
                 if lin is not None:
                     lin.lora = None
+        for (layer, fused), stack in stacks.items():
+            getattr(weights.layers[layer], fused).lora = stack
+        self.slots = list(adapters)
+
+    @staticmethod
+    def _stacks(weights: ModelWeights, config: ModelConfig, dtype: torch.dtype,
+                adapters: list[LoRAAdapter | None]) -> dict[tuple[int, str], LoRALinear]:
         live = [a for a in adapters if a is not None]
         if not live:
-            return
+            return {}
         layout = _layout(config)
         rank = max(a.rank for a in live)
         targets = sorted({(layer, MODULES[module][0]) for a in live for layer, module in a.modules})
+        stacks = {}
         for layer, fused in targets:
             lin = getattr(weights.layers[layer], fused)
             if lin is None:
@@ -105,7 +112,8 @@ class LoRASet:
                     b_stack[k, lo:hi, block * rank : block * rank + r] = m.b
                     used[k] = True
             device = weights.embed.device
-            lin.lora = LoRALinear(a_stack.to(device), b_stack.to(device), used)
+            stacks[(layer, fused)] = LoRALinear(a_stack.to(device), b_stack.to(device), used)
+        return stacks
 
 
 def step_plan(token_adapters: np.ndarray, device: torch.device) -> list[tuple[int, torch.Tensor | None]] | None:
