@@ -56,8 +56,9 @@ def test_cel_rule_refuses_min_above_max_and_defaults_fill_the_rest(chart, namesp
     assert alone.returncode != 0 and "spec.prefill: Invalid value" in alone.stderr
     kube.apply(isvc("good", namespace, decode={"maxReplicas": 4}))
     spec = kube.get(c.SHORT_NAME, "good", namespace)["spec"]
-    assert spec["decode"] == {"replicas": 1, "minReplicas": 1, "maxReplicas": 4}
-    assert spec["prefill"] == spec["gateway"] == {"replicas": 1, "minReplicas": 1, "maxReplicas": 1}
+    assert spec["decode"] == {"replicas": 1, "minReplicas": 1, "maxReplicas": 4, "shutdownTimeoutSeconds": 25}
+    assert spec["prefill"] == spec["gateway"] == {"replicas": 1, "minReplicas": 1, "maxReplicas": 1,
+                                                  "shutdownTimeoutSeconds": 25}
     assert spec["autoscaling"]["scaleDownStabilizationSeconds"] == 300
     # The short name resolves, and it is not KServe's.
     columns = kube.run("api-resources", "--api-group", c.GROUP, "--no-headers").stdout.split()
