@@ -89,7 +89,7 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                         help="no per-tenant series at all (every tenant is counted as `all`)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                         help="how tool calls are read from the model's text (and written for templates without "
-                             "tool support): hermes (also Qwen), llama3_json, mistral, pythonic")
+                             f"tool support): {', '.join(sorted(PARSERS))} (hermes also reads Qwen's)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='allow tool_choice "auto" (the model decides; needs --tool-call-parser)')
     parser.add_argument("--reasoning-parser", default=None, choices=reasoning.PARSERS,
@@ -133,7 +133,7 @@ def build_quota(args: argparse.Namespace) -> QuotaManager:
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise SystemExit("kvrelay: --enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral, pythonic)")
+        raise SystemExit(f"kvrelay: --enable-auto-tool-choice needs --tool-call-parser ({', '.join(sorted(PARSERS))})")
     return GatewayConfig(max_queue=args.max_queue, capacity=args.capacity, max_body_bytes=args.max_body_bytes,
                          lease_ttl_s=args.lease_ttl, quota_fail_open=args.quota_failure_policy == "open",
                          quota_wait_s=args.quota_wait, max_prompt_bytes=args.max_prompt_bytes,

@@ -15,16 +15,11 @@ from kvrelay.engine.model_config import ModelConfig
 from kvrelay.engine.weights import ModelWeights
 
 
-def check_lora_args(args) -> None:
-    """One clear error for flag combinations the adapters do not support."""
-    if args.max_lora_rank < 1:
-        raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
-
-
 def lora_names(args) -> LoRASet | None:
     """The adapters' names alone (the driver of parallel workers), checked; None without --lora-modules
     or --enable-lora (which alone serves none until one is loaded at run time, lora/runtime.py)."""
-    check_lora_args(args)
+    if args.max_lora_rank < 1:
+        raise ValueError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
     if not args.lora_modules and not args.enable_lora:
         return None
     return LoRASet(list(parse_lora_modules(args.lora_modules or [])))

@@ -12,14 +12,11 @@ A pipeline stage keeps its own layers, renumbered from 0 as its weights are.
 
 from __future__ import annotations
 
-from kvrelay.engine.lora.adapter import LoRAAdapter, LoRAModule, module_shape
+from kvrelay.engine.lora.adapter import MODULES, LoRAAdapter, LoRAModule, module_shape
 from kvrelay.engine.lora.stacked import LoRASet
 from kvrelay.engine.model_config import ModelConfig
 from kvrelay.engine.parallel.layers import cut, shard_plan, stage_layers
 from kvrelay.engine.parallel.state import ParallelState
-
-_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "qkv_proj": "self_attn",
-          "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "gate_up_proj": "mlp", "down_proj": "mlp"}
 
 
 def shard_adapter(adapter: LoRAAdapter, config: ModelConfig, state: ParallelState) -> LoRAAdapter:
@@ -29,7 +26,8 @@ def shard_adapter(adapter: LoRAAdapter, config: ModelConfig, state: ParallelStat
     for (layer, module), m in adapter.modules.items():
         if not start <= layer < end:
             continue
-        name = f"model.layers.{layer}.{_BLOCK[module]}.{module}.weight"
+        block = "self_attn" if MODULES[module][0] in ("qkv", "o_proj") else "mlp"
+        name = f"model.layers.{layer}.{block}.{module}.weight"
         plan = shard_plan(name, module_shape(config, module), config, state.tp_rank, state.tp_size)
         a, b = m.a, m.b
         if plan.ranges and plan.dim == 0:

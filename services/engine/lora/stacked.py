@@ -17,6 +17,7 @@ import torch
 from kvrelay.engine.errors import ModelLoadError
 from kvrelay.engine.lora.adapter import MODULES, LoRAAdapter
 from kvrelay.engine.model_config import ModelConfig
+from kvrelay.engine.sampler import to_device
 from kvrelay.engine.weights import ModelWeights
 
 
@@ -124,7 +125,7 @@ def step_plan(token_adapters: np.ndarray, device: torch.device) -> list[tuple[in
         if k < 0:
             continue
         rows = np.flatnonzero(token_adapters == k)
-        plan.append((k, None if len(rows) == len(token_adapters) else torch.from_numpy(rows).to(device)))
+        plan.append((k, None if len(rows) == len(token_adapters) else to_device(torch.from_numpy(rows), device)))
     return plan or None
 
 
