@@ -113,6 +113,10 @@ class EngineArgs:
     lora_modules: list[str] | None = None
     enable_lora: bool = False  # serve LoRA adapters: those of --lora-modules, and any loaded at run time
     max_lora_rank: int = 16  # adapters of a higher rank are refused at start-up
+    # vLLM's --runner: generate tokens, or pool embeddings (kvrelay.engine.pooling); auto: pooling for a
+    # bare-decoder checkpoint (config.json's `LlamaModel`, `Qwen2Model`, ...), else generate.
+    runner: str = "auto"
+    pooler_config: str | None = None  # JSON overriding the folder's pooler: pooling_type, normalize
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -245,6 +249,16 @@ class EngineArgs:
         parser.add_argument("--enable-lora", action="store_true",
                             help="serve LoRA adapters (implied by --lora-modules); with the gateway's "
                             "--allow-runtime-lora-updating also those loaded through /v1/load_lora_adapter")
+        parser.add_argument(
+            "--runner", default=d.runner, choices=["auto", "generate", "pooling"],
+            help="generate: completions and chat; pooling: embeddings (/v1/embeddings) from an embedding model; "
+            "auto: pooling when config.json names the bare decoder (e.g. Qwen2Model), else generate",
+        )
+        parser.add_argument(
+            "--pooler-config", default=None, metavar="JSON",
+            help="pooling runner: override the model folder's pooler, e.g. '{\"pooling_type\": \"MEAN\", "
+            "\"normalize\": false}' (pooling_type LAST, MEAN or CLS)",
+        )
         parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
                             help="refuse adapters of a higher rank r")
 

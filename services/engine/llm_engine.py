@@ -24,6 +24,8 @@ from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
 from kvrelay.engine.model_config import load_model_config, parse_dtype
 from kvrelay.engine.model_loader import load_model
 from kvrelay.engine.outputs import EngineStats, RequestOutput
+from kvrelay.engine.pooling.config import setup_pooling
+from kvrelay.engine.pooling.pooler import accumulate, finish_pooled, wants_prompt_rows
 from kvrelay.engine.prompt_logprobs import record_prompt_logprobs
 from kvrelay.engine.request_builder import RequestBuilderMixin
 from kvrelay.engine.runner.memory import choose_num_blocks
@@ -83,6 +85,8 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         if not model_dir.is_dir():
             raise ModelLoadError(f"{model_dir}: model folder not found")
         self.config = load_model_config(model_dir)
+        # "generate", or "pooling" with self.pooler: an embedding model (kvrelay.engine.pooling)
+        self.runner_type, self.pooler, self.config = setup_pooling(args, model_dir, self.config)
         self.model_name = args.served_model_name or model_dir.name
         self.tokenizer = Tokenizer(model_dir)
         self.generation_config = _read_generation_config(model_dir)
@@ -129,6 +133,7 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         else:
             self.model = load_model(args, model_dir, self.config, self.dtype, self.device, self.ops,
                                     self.max_model_len)
+            self.model.pooling = self.pooler is not None
 
         cfg = self.config
         bs = args.block_size
@@ -145,6 +150,7 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
                                self.device, self.ops, self.max_model_len)
             sizing_bytes += kv_bytes_per_block(draft.config, self.dtype, bs)
         use_graphs = self.device.type == "cuda" and not args.enforce_eager and self.ops.backend == "triton"
+        use_graphs &= self.pooler is None  # a pooling engine has no decode steps to replay
         if args.piecewise_cuda_graphs:
             check_piecewise(self.device, args.enforce_eager, self.ops.backend, self.model)
         num_blocks = choose_num_blocks(args, self.model, self.executor, cfg, self.dtype, self.device, sizing_bytes,
@@ -343,7 +349,8 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         return outputs
 
     def _run(self, step, proposals: dict) -> list[RequestOutput]:
-        scoring = frozenset(i for i, s in enumerate(step.seqs) if s.prompt_lps is not None
+        pool_rows = self.pooler is not None and wants_prompt_rows(self.pooler)  # MEAN, CLS: every prompt row
+        scoring = frozenset(i for i, s in enumerate(step.seqs) if (s.prompt_lps is not None or pool_rows)
                             and s.num_computed < s.prompt_len - 1)
         flushed = None
         meanwhile = None
@@ -352,7 +359,9 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             meanwhile = lambda: flushed.extend(self._flush_deferred())
         logits, sample_idx, rows = self.runner.execute(step.seqs, step.num_new, frozenset(proposals), scoring,
                                                        meanwhile=meanwhile)
-        if scoring:
+        if pool_rows and scoring:
+            accumulate(self.pooler, step.seqs, self.runner.prompt_logits)
+        elif scoring:
             record_prompt_logprobs(step.seqs, self.runner.prompt_logits)
         return self._after_forward(step, proposals, logits, sample_idx, rows, flushed)
 
@@ -372,6 +381,8 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
                 self.scheduler.register_full_blocks(seq)
         if not sample_idx:
             return outputs
+        if self.pooler is not None:  # the rows are the prompts' last hidden states
+            return outputs + finish_pooled(self, [step.seqs[i] for i in sample_idx], logits)
         if proposals:
             logits = self._verify(step.seqs, proposals, logits, sample_idx, rows, outputs)
             sample_idx = [i for i in sample_idx if i not in proposals]
@@ -499,4 +510,5 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             num_cached_tokens=seq.num_cached_tokens,
             metrics=seq.metrics,
             prompt_logprobs=prompt_lps,
+            embedding=seq.embedding,
         )

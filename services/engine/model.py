@@ -83,6 +83,7 @@ class DecoderModel:
         self.layer_hook = None
         self.adapters = None  # the LoRA adapters served (kvrelay.engine.lora.stacked.LoRASet), if any
         self.lora_plan = None  # the step's StepBatch.lora, while run_layers runs
+        self.pooling = False  # a pooling engine's model: compute_logits returns the normed hidden rows
 
     def _linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.scale is not None:
@@ -221,11 +222,14 @@ class DecoderModel:
 
     @torch.inference_mode()
     def compute_logits(self, batch: StepBatch, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """The final norm and LM head over the rows that sample: fp32 logits [S, vocab]."""
+        """The final norm and LM head over the rows that sample: fp32 logits [S, vocab] (a pooling
+        model's: the normed hidden rows [S, hidden])."""
         cfg, eps = self.config, self.config.rms_norm_eps
         hidden = hidden.index_select(0, batch.logits_indices)
         residual = residual.index_select(0, batch.logits_indices)
         x, _ = self.ops.fused_add_rms_norm(hidden, residual, self.w.norm, eps)
+        if self.pooling:  # embeddings (kvrelay.engine.pooling): the last hidden state, every rank has it whole
+            return x.float()
         if self.w.lm_head_packed is not None:
             logits = self.ops.packed_linear(x, self.w.lm_head_packed).float()
         else:

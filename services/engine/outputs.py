@@ -44,6 +44,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # prompt_logprobs: with the sample's first output, one entry per prompt token (None for the first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A pooling engine's answer (kvrelay.engine.pooling): the prompt's vector, in its one, final output.
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -17,6 +17,7 @@ from kvrelay.engine.block_pool import cache_root
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.errors import InvalidRequestError, PromptTooLongError
 from kvrelay.engine.outputs import RequestMetrics
+from kvrelay.engine.pooling.params import check_pooling_request
 from kvrelay.engine.sampler import to_device
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sequence import Sequence
@@ -71,9 +72,17 @@ class RequestBuilderMixin:
             raise InvalidRequestError(f"priority: must be an integer, got {priority!r}", field="priority")
         params.validate(self.config.vocab_size)
         logits_processors.validate(params.logits_processors)
+        check_pooling_request(params, self.pooler, self.config.hidden_size)
         ids = self.tokenize_prompt(prompt)
         limit = self.max_model_len
-        if len(ids) >= limit:
+        if params.pooling is not None:  # an embedding: the prompt may fill the context, nothing is generated
+            if len(ids) > limit:
+                raise PromptTooLongError(f"input: {len(ids)} tokens, but the context holds {limit}",
+                                         num_tokens=len(ids), limit=limit)
+            params.max_tokens = 1
+            if self.pooler.pooling_type != "LAST":  # every position is pooled: no prefix-cache hits
+                cache_salt = f"{cache_salt or ''}\x00pooling:{secrets.token_hex(8)}"
+        elif len(ids) >= limit:
             raise PromptTooLongError(
                 f"prompt: {len(ids)} tokens, but the context holds {limit} tokens including at least one to "
                 f"generate",
@@ -81,7 +90,7 @@ class RequestBuilderMixin:
                 limit=limit - 1,
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
-        if len(ids) + max_tokens > limit:
+        if len(ids) + max_tokens > limit and params.pooling is None:
             raise InvalidRequestError(
                 f"max_tokens: {max_tokens} new tokens plus {len(ids)} prompt tokens exceed the context of "
                 f"{limit} tokens; ask for at most {limit - len(ids)}",

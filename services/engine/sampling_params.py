@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvrelay.engine.bad_words import MAX_WORD_CHARS as MAX_BAD_WORD_CHARS
 from kvrelay.engine.bad_words import MAX_WORDS as MAX_BAD_WORDS
 from kvrelay.engine.errors import InvalidRequestError
+from kvrelay.engine.pooling.params import PoolingParams
 from kvrelay.engine.structured.spec import KINDS, GuidedSpec
 
 MAX_LOGPROBS = 20
@@ -45,6 +46,8 @@ class SamplingParams:
     # The LoRA adapter (its --lora-modules name) that generates; None: the base model. Not sampling
     # proper, but it travels with the request everywhere these parameters do.
     lora: str | None = None
+    # An embedding instead of tokens (a pooling engine's requests, kvrelay.engine.pooling); None: generate.
+    pooling: PoolingParams | None = None
 
     @property
     def greedy(self) -> bool:
@@ -133,6 +136,10 @@ class SamplingParams:
                              f"{MAX_BAD_WORD_CHARS} characters")
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             bad("lora", f"must be an adapter's name, got {self.lora!r}")
+        if self.pooling is not None:
+            if not isinstance(self.pooling, PoolingParams):
+                bad("pooling", "must be a PoolingParams")
+            self.pooling.validate()
 
     def _validate_logit_bias(self, vocab_size: int | None, bad) -> None:
         bias = self.logit_bias

@@ -72,6 +72,11 @@ class Sequence:
     # Prompt logprobs (sample 0 only): entry p is prompt token p + 1's, filled as chunks compute;
     # handed out with the first output, then None.
     prompt_lps: list | None = None
+    # Pooling engines (kvrelay.engine.pooling): the MEAN sum or CLS row so far, the prompt positions
+    # it covers, and the finished vector.
+    pool_acc: torch.Tensor | None = None
+    pool_upto: int = 0
+    embedding: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:

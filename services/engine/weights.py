@@ -97,6 +97,11 @@ def _shard_files(model_dir: Path) -> dict[str, Path]:
 def read_tensors(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     shapes = expected_shapes(config)
     files = _shard_files(model_dir)
+    # A bare decoder's checkpoint (LlamaModel, Qwen2Model: embedding models) names its tensors without
+    # the "model." prefix the architectures use.
+    stored = {n: n[len("model."):] if n not in files and n.startswith("model.") and n[len("model."):] in files
+              else n for n in shapes}
+    files = {n: files[s] for n, s in stored.items() if s in files}
     missing = [n for n in shapes if n not in files]
     if missing:
         where = ", ".join(sorted({files_path.name for files_path in files.values()})) or "no file"
@@ -114,13 +119,13 @@ def read_tensors(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> di
     for k, (path, names) in enumerate(sorted(by_file.items())):
         with safe_open(str(path), framework="pt") as st:
             for name in names:
-                shape = tuple(st.get_slice(name).get_shape())
+                shape = tuple(st.get_slice(stored[name]).get_shape())
                 if shape != shapes[name]:
                     raise ModelLoadError(
                         f"{path.name}: tensor {name!r} has shape {list(shape)}, expected {list(shapes[name])} "
                         f"from config.json"
                     )
-                tensors[name] = st.get_tensor(name).to(dtype)
+                tensors[name] = st.get_tensor(stored[name]).to(dtype)
         done_bytes += path.stat().st_size
         if show_progress:
             print(

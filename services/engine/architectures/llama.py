@@ -88,4 +88,10 @@ ARCHITECTURES = [
     _llama("MistralForCausalLM"),
     _llama("Qwen2ForCausalLM", qkv_bias=True),
     _llama("Qwen3ForCausalLM", qk_norm=True),
+    # The bare decoders (no LM head; checkpoint names without "model."): embedding models, served by
+    # the pooling runner (kvrelay.engine.pooling), e.g. e5-mistral's MistralModel, gte-Qwen2's Qwen2Model.
+    _llama("LlamaModel"),
+    _llama("MistralModel"),
+    _llama("Qwen2Model", qkv_bias=True),
+    _llama("Qwen3Model", qk_norm=True),
 ]
