@@ -1,8 +1,8 @@
 """The gateway's HTTP API (FastAPI): error mapping, middleware, and the routers.
 
 Routers: routes_completions.py (/v1/completions), routes_chat.py (/v1/chat/completions),
-routes_models.py (/v1/models, /health, /ready), routes_metrics.py (/metrics). The request
-logic is in gateway.py, the response side in response.py.
+routes_models.py (/v1/models, /health, /ready), routes_metrics.py (/metrics), routes_embeddings.py
+(/v1/embeddings). The request logic is in gateway.py, the response side in response.py.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kvrelay.gateway import (
     responses_api,
     routes_chat,
     routes_completions,
+    routes_embeddings,
     routes_metrics,
     routes_models,
     routes_tokenize,
@@ -101,7 +102,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         gateway.metrics.errors.labels("500").inc()
         return ApiError(500, "Internal server error", "server_error", code="internal_error").response()
 
-    for module in (routes_completions, routes_chat, responses_api, routes_models, routes_metrics, routes_tokenize):
+    for module in (routes_completions, routes_chat, responses_api, routes_embeddings, routes_models, routes_metrics,
+                   routes_tokenize):
         app.include_router(module.router)
     if gateway.config.runtime_lora:
         from kvrelay.gateway import routes_lora

@@ -134,6 +134,11 @@ class LocalBackend:
         return self.engine.max_model_len
 
     @property
+    def runner_type(self) -> str:
+        """"generate", or "pooling": the engine serves embeddings only (kvrelay.engine.pooling)."""
+        return self.engine.runner_type
+
+    @property
     def model_aliases(self) -> tuple[str, ...]:
         return tuple(getattr(self.engine_args, "served_model_aliases", ()))
 

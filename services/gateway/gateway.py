@@ -248,6 +248,7 @@ class Gateway:
 
     async def prepare_completion(self, body: CompletionRequest, tenant: Tenant) -> Prepared:
         self.check_model(body.model, tenant)
+        model_names.check_runner(self.backend, body.model, "generate")
         raw = body.prompt
         texts = [raw] if isinstance(raw, str) else [x for x in raw if isinstance(x, str)]
         self._check_prompt_bytes(texts, "prompt")
@@ -257,6 +258,7 @@ class Gateway:
 
     async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
         self.check_model(body.model, tenant)
+        model_names.check_runner(self.backend, body.model, "generate")
         texts = [m.content if isinstance(m.content, str) else p.text for m in body.messages
                  for p in ([None] if isinstance(m.content, str) else m.content or [])]
         self._check_prompt_bytes(texts, "messages")

@@ -27,6 +27,19 @@ def check_model(backend, model: str, tenant: Tenant) -> None:
         raise errors.forbidden(f"Tenant {tenant.id!r} may not use model {model!r}", "model")
 
 
+def check_runner(backend, model: str, wanted: str) -> None:
+    """400 when the model serves the other kind of request: a pooling engine (kvrelay.engine.pooling)
+    only embeddings, a generating one no embeddings."""
+    runner = getattr(backend, "runner_type", "generate")  # workers behind a cluster gateway generate
+    if runner == wanted:
+        return
+    if runner == "pooling":
+        raise errors.bad_request(f"The model {model!r} is an embedding model: it serves /v1/embeddings, not "
+                                 "completions or chat", "model", "model_not_supported")
+    raise errors.bad_request(f"The model {model!r} generates text and serves no embeddings: start `kvrelay serve` "
+                             "with an embedding model (--runner pooling)", "model", "model_not_supported")
+
+
 def answered_as(backend, model: str) -> str:
     """The name answers and metrics carry: the model's own for an alias."""
     return backend.model_name if model in backend.model_aliases else model

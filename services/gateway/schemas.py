@@ -92,6 +92,45 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False  # put the prompt before the completion (with logprobs: the prompt's logprobs too)
 
 
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request: OpenAI's limit
+EmbeddingText = Annotated[str, Field(min_length=1)]
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings request, with vLLM's extensions (clients send them through `extra_body`)."""
+
+    model: str
+    input: EmbeddingText | TokenIds | Annotated[list[EmbeddingText], Field(
+        min_length=1, max_length=MAX_EMBEDDING_INPUTS)] | Annotated[list[TokenIds], Field(
+            min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32 bytes
+    dimensions: Annotated[Int, Field(ge=1)] | None = None  # Matryoshka models only
+    user: Annotated[str, Field(max_length=256)] | None = None
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
+    normalize: bool | None = None  # None: the model's pooler decides
+    priority: Annotated[Int, Field(ge=-MAX_REQUEST_PRIORITY, le=MAX_REQUEST_PRIORITY)] = 0
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str

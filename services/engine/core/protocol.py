@@ -39,6 +39,7 @@ class EngineInfo:
     max_model_len: int
     default_sampling_params: SamplingParams
     pid: int
+    runner_type: str = "generate"  # or "pooling": an embedding model (kvrelay.engine.pooling)
 
 
 @dataclass(frozen=True)

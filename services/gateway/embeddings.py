@@ -1,0 +1,107 @@
+"""Embeddings through the gateway: validate and tokenize an embeddings request, then answer it in
+OpenAI's shape once the pooling engine (kvrelay.engine.pooling) has pooled every input.
+
+The request takes the path a completion takes (tenant, model, request rate, tokenizing off the
+event loop, quota, fair queue, deadline, abort on disconnect): only the answer differs, so
+EmbeddingsResponse is a GenerationResponse that keeps each input's vector instead of text.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+
+import numpy as np
+from kvrelay.engine.errors import InvalidRequestError
+from kvrelay.engine.pooling.params import PoolingParams
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.gateway import errors, model_names
+from kvrelay.gateway.errors import ApiError
+from kvrelay.gateway.gateway import INLINE_PROMPT_CHARS, Gateway, Prepared, _request_priority
+from kvrelay.gateway.response import GenerationResponse, _Choice
+from kvrelay.gateway.schemas import EmbeddingRequest
+from kvrelay.gateway.tenants import Tenant
+
+
+async def prepare_embedding(gw: Gateway, body: EmbeddingRequest, tenant: Tenant) -> Prepared:
+    gw.check_model(body.model, tenant)
+    model_names.check_runner(gw.backend, body.model, "pooling")
+    raw = body.input
+    texts = [raw] if isinstance(raw, str) else [x for x in raw if isinstance(x, str)]
+    gw._check_prompt_bytes(texts, "input")
+    await gw.check_request_rate(tenant)
+    inline = isinstance(raw, str) and len(raw) <= INLINE_PROMPT_CHARS
+    return await gw._offload(_prepare, gw, body, tenant, inline=inline)
+
+
+def _prepare(gw: Gateway, body: EmbeddingRequest, tenant: Tenant) -> Prepared:
+    if body.user is not None:
+        errors.check_text(body.user, "user")
+    raw = body.input
+    if isinstance(raw, str):
+        prompts = [gw._encode(raw, "input")]
+    elif all(isinstance(x, int) for x in raw):
+        prompts = [list(raw)]
+    elif all(isinstance(x, str) for x in raw):
+        prompts = [gw._encode(x, "input") for x in raw]
+    else:
+        prompts = [list(x) for x in raw]
+    prompts = gw._truncate(prompts, body)
+    vocab = gw.backend.tokenizer.vocab_size
+    if any(t >= vocab for p in prompts for t in p):
+        raise errors.bad_request(f"input: token ids must be < the vocabulary size {vocab}", "input")
+    limit = gw.backend.max_model_len
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise errors.bad_request(f"input: input {i} has no tokens", "input")
+        if len(ids) > limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens; input {i} has {len(ids)}: "
+                           "shorten it, or set truncate_prompt_tokens", param="input", code="context_length_exceeded")
+    params = SamplingParams(max_tokens=1, temperature=0.0, pooling=PoolingParams(body.dimensions, body.normalize),
+                            lora=body.model if body.model in gw.backend.lora_modules else None)
+    try:
+        params.validate(vocab)
+    except InvalidRequestError as e:
+        raise errors.bad_request(str(e), e.field) from e
+    p = Prepared("embedding", f"embd-{uuid.uuid4().hex}", model_names.answered_as(gw.backend, body.model), tenant,
+                 prompts, params, stream=False, include_usage=False, logprobs=False,
+                 reserve=sum(len(ids) for ids in prompts))
+    p.cache_salt = gw.cache_salt(tenant, None)  # LAST pooling reuses cached prefixes: tenants' stay apart
+    p.priority = _request_priority(body, tenant)
+    return p
+
+
+def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's encodings: a list of floats, or base64 of little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector
+
+
+class EmbeddingsResponse(GenerationResponse):
+    """A GenerationResponse whose answer is every input's vector (never streamed)."""
+
+    def __init__(self, gateway: Gateway, prepared: Prepared, encoding_format: str):
+        super().__init__(gateway, prepared)
+        self.encoding_format = encoding_format
+        self.vectors: dict[int, list[float]] = {}
+
+    def _absorb(self, i: int, out) -> tuple[int, _Choice, dict | None]:
+        c = self.choices.setdefault(i, _Choice())
+        c.finish_reason = out.finish_reason or c.finish_reason
+        if out.embedding is not None:
+            self.vectors[i] = out.embedding
+        if out.num_cached_tokens:
+            self.cached[i] = out.num_cached_tokens
+        return i, c, None
+
+    def _final_body(self) -> dict:
+        p = self.p
+        if len(self.vectors) != len(p.prompts):  # an input ended without its vector (aborted upstream)
+            missing = min(set(range(len(p.prompts))) - set(self.vectors))
+            raise errors.unavailable(f"The engine ended input {missing} without an embedding", "engine_aborted")
+        data = [{"object": "embedding", "index": i, "embedding": encode_vector(self.vectors[i], self.encoding_format)}
+                for i in range(len(p.prompts))]
+        tokens = self._prompt_tokens
+        return {"id": p.request_id, "object": "list", "created": p.created, "model": p.model, "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
