@@ -342,6 +342,9 @@ def run_disaggregated(args: argparse.Namespace) -> int:
     from kvrelay.gateway.cluster import build_backend
     from kvrelay.gateway.supervisor import RestartPolicy, Supervisor
 
+    if getattr(args, "runner", "auto") == "pooling":
+        raise SystemExit("kvrelay serve --disaggregated: an embedding model (--runner pooling) has no decode phase "
+                         "to hand over; drop --disaggregated")
     if getattr(args, "nnodes", 1) > 1:  # two local engines cannot both be node 0 of one rendezvous
         raise SystemExit("kvrelay serve --disaggregated: --nnodes > 1 is for one engine (serve, prefill or decode)")
     supervisor = Supervisor(["prefill", "decode"], lambda role, port: start_worker(role, args, port),

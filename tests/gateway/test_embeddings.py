@@ -5,6 +5,7 @@ in process, and through `kvrelay serve`'s engine-core process."""
 from __future__ import annotations
 
 import base64
+import subprocess
 import sys
 from pathlib import Path
 
@@ -129,3 +130,12 @@ def test_serve_runner_pooling_through_the_engine_core_process(model_dir, tmp_pat
         _assert_vectors([d.embedding for d in out.data], hf_vectors(BUNDLED_MODEL, _ids(PROMPTS[:2]), "MEAN"))
         with pytest.raises(openai.BadRequestError, match="is an embedding model"):
             _client(url).chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}])
+
+
+@pytest.mark.parametrize("argv", [["serve", "--disaggregated"], ["decode", "--port", "0"]])
+def test_no_prefill_decode_split_for_embeddings(argv):
+    run = subprocess.run([sys.executable, "-m", "kvrelay.cli", *argv, "--runner", "pooling"], check=False,
+                         capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0
+    assert "no decode phase to hand" in run.stderr, run.stderr[-2000:]
