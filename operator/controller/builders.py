@@ -128,6 +128,8 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
         if role == "prefill" and spec.shared_memory.enabled and spec.shared_memory.prefill_cache:
             args += ["--kv-shared-cache", "--kv-shm-dir", c.KV_SHM_MOUNT_DIR]
         args += _transport_args(role, spec.transport)
+    elif spec.model.runner == "pooling":
+        args = _serve_args(spec)
     else:
         args = [
             "gateway",
@@ -144,11 +146,24 @@ def _role_command(owner: Owner, role: str, spec: InferenceServiceSpec, config: O
             "--shutdown-timeout", str(spec.gateway.shutdown_timeout_seconds),
         ]
         args += _lora_args(spec)  # the gateway reads the adapters' names
+    if role == "gateway":
         if spec.redis_url or spec.redis_secret or config.default_redis_url:
             args += ["--redis-url", "$(KVRELAY_REDIS_URL)"]  # expanded by the kubelet from env
         if spec.tenants_secret:
             args += ["--tenants", f"{c.TENANTS_MOUNT_DIR}/{spec.tenants_secret.key}"]
     return args + list(spec.role(role).args)
+
+
+def _serve_args(spec: InferenceServiceSpec) -> list[str]:
+    """An embedding model's pods: `kvrelay serve`, the gateway with its engine, in the gateway role."""
+    args = ["serve", "--runner", "pooling", "--model", spec.model.uri,
+            "--served-model-name", spec.model.name, *spec.model.aliases, "--dtype", spec.model.dtype,
+            "--host", "0.0.0.0", "--port", str(c.GATEWAY_HTTP_PORT), "--metrics-port", str(c.GATEWAY_METRICS_PORT),
+            "--shutdown-delay", str(c.GATEWAY_SHUTDOWN_DELAY_S),
+            "--shutdown-timeout", str(spec.gateway.shutdown_timeout_seconds)]
+    if spec.model.quantization != "none":
+        args += ["--quantization", spec.model.quantization]
+    return args + _lora_args(spec)
 
 
 def _lora_args(spec: InferenceServiceSpec) -> list[str]:
@@ -187,9 +202,12 @@ def _role_env(role: str, spec: InferenceServiceSpec, config: OperatorConfig) -> 
     return env + [copy.deepcopy(dict(v)) for v in spec.role(role).env]
 
 
-def _probes(role: str) -> dict[str, Any]:
+def _probes(role: str, spec: InferenceServiceSpec) -> dict[str, Any]:
     if role == "gateway":
-        return {
+        # An embedding model's gateway loads the model first: a started probe waits for it, as a worker's does.
+        started = {"startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+                                    "failureThreshold": 120}} if spec.model.runner == "pooling" else {}
+        return {**started,
             "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
             "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
                               "failureThreshold": 6},
@@ -241,7 +259,7 @@ def build_deployment(
         "envFrom": [{"configMapRef": {"name": config_map_name(owner.name)}}],
         "env": _role_env(role, spec, config),
         "ports": _ports(role),
-        **_probes(role),
+        **_probes(role, spec),
     }
     if rs.resources:
         container["resources"] = normalized_resources(rs.resources)
@@ -347,11 +365,11 @@ def build_children(
     check_name(owner.name)
     live_replicas = live_replicas or {}
     children = [build_config_map(owner, spec)]
-    children += [build_service(owner, role) for role in c.ROLES]
+    children += [build_service(owner, role) for role in spec.roles]
     children += [
         (build_leader_worker_set if uses_lws(spec, role) else build_deployment)(
             owner, role, spec, config, initial_or_live_replicas(role, spec.role(role), live_replicas.get(role)))
-        for role in c.ROLES
+        for role in spec.roles
     ]
     for child in children:
         stamp_hash(child)

@@ -78,10 +78,12 @@ async def apply_children(client: KubeClient, owner: Owner, spec: InferenceServic
     """Bring every child to its desired state; returns the live workloads (Deployments, or
     LeaderWorkerSets for engines over several nodes) by role and adds "Kind name" of each child it
     wrote to `applied`. Raises InvalidSpec when a LeaderWorkerSet is needed and its CRD is missing."""
-    if any(uses_lws(spec, role) for role in c.ROLES) and not await client.api_served(c.LWS_API_VERSION):
+    if any(uses_lws(spec, role) for role in spec.roles) and not await client.api_served(c.LWS_API_VERSION):
         raise missing_crd_error(spec)
+    for role in set(c.ROLES) - set(spec.roles):  # an embedding model runs no workers: stop any left running
+        await scale_other_kind_to_zero(client, owner, spec, role, applied, both=True)
     paths = {role: object_path(*workload_kinds(spec, role)[0], owner.namespace, f"{owner.name}-{role}")
-             for role in c.ROLES}
+             for role in spec.roles}
     deployments = {role: await client.get(path) for role, path in paths.items()}
     live_replicas = {role: (d or {}).get("spec", {}).get("replicas") for role, d in deployments.items()}
     for desired in build_children(owner, spec, config, live_replicas):
@@ -104,18 +106,19 @@ async def apply_children(client: KubeClient, owner: Owner, spec: InferenceServic
 
 
 async def scale_other_kind_to_zero(client: KubeClient, owner: Owner, spec: InferenceServiceSpec, role: str,
-                                   applied: list[str] | None) -> None:
+                                   applied: list[str] | None, both: bool = False) -> None:
     """A role that moved between one node (Deployment) and several (LeaderWorkerSet) stops the
-    pods of its other workload; the object stays until the InferenceService goes (garbage collection)."""
-    _, other = workload_kinds(spec, role)
-    if other[1] == c.LWS_KIND and not await client.api_served(c.LWS_API_VERSION):
-        return
-    path = object_path(*other, owner.namespace, f"{owner.name}-{role}")
-    stale = await client.get(path)
-    if stale is not None and stale.get("spec", {}).get("replicas"):
-        await client.merge_patch(path, {"spec": {"replicas": 0}}, c.FIELD_MANAGER)
-        if applied is not None:
-            applied.append(f"{other[1]} {owner.name}-{role} (scaled to 0)")
+    pods of its other workload (both: of either kind, for a role the spec no longer runs); the
+    object stays until the InferenceService goes (garbage collection)."""
+    for kind in workload_kinds(spec, role)[0 if both else 1:]:
+        if kind[1] == c.LWS_KIND and not await client.api_served(c.LWS_API_VERSION):
+            continue
+        path = object_path(*kind, owner.namespace, f"{owner.name}-{role}")
+        stale = await client.get(path)
+        if stale is not None and stale.get("spec", {}).get("replicas"):
+            await client.merge_patch(path, {"spec": {"replicas": 0}}, c.FIELD_MANAGER)
+            if applied is not None:
+                applied.append(f"{kind[1]} {owner.name}-{role} (scaled to 0)")
 
 
 async def write_status(client: KubeClient, body: kopf.Body, patch: dict[str, Any]) -> bool:
@@ -153,7 +156,7 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, client: KubeClient, autosc
                 kopf.warn(body, reason="InvalidSpec", message=str(e))
             return
         decisions = await run_autoscaler(client, body, owner, spec, deployments, memo) if autoscale else {}
-        conditions, replicas = roles_status(deployments)
+        conditions, replicas = roles_status(deployments, spec.roles)
         status: dict[str, Any] = {
             "observedGeneration": body["metadata"].get("generation"),
             "url": gateway_url(owner),

@@ -14,6 +14,9 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "int8")  # what the engine implements
+# generate: prefill and decode workers behind the gateway; pooling: an embedding model, served by
+# `kvrelay serve --runner pooling` in the gateway's pods (an embedding has no decode phase to split off).
+RUNNERS = ("generate", "pooling")
 # grpc: K/V inline on the control stream; mooncake: the Mooncake transfer engine over TCP (any node);
 # rdma: the same over RDMA; cuda-ipc: GPU to GPU between pods on one node (kvrelay.kvtransfer).
 TRANSPORTS = ("grpc", "mooncake", "rdma", "cuda-ipc")
@@ -85,6 +88,7 @@ class ModelSpec:
     # LoRA adapters served beside the model: (name clients send, folder inside the pod), in order.
     lora_adapters: tuple[tuple[str, str], ...] = ()
     aliases: tuple[str, ...] = ()  # more names the gateway answers to (as `name`)
+    runner: str = "generate"
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,11 @@ class InferenceServiceSpec:
 
     def role(self, name: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode, "gateway": self.gateway}[name]
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles this service runs: an embedding model only the gateway's (which runs `kvrelay serve`)."""
+        return ("gateway",) if self.model.runner == "pooling" else ("prefill", "decode", "gateway")
 
 
 def _obj(value: Any, path: str) -> Mapping[str, Any]:
@@ -313,6 +322,7 @@ def parse_spec(spec: Mapping[str, Any] | None, resource_name: str) -> InferenceS
         quantization=_enum(model_src, "quantization", "spec.model", QUANTIZATIONS),
         lora_adapters=_lora_adapters(model_src, str(model_src.get("name") or resource_name)),
         aliases=_aliases(model_src, str(model_src.get("name") or resource_name)),
+        runner=_enum(model_src, "runner", "spec.model", RUNNERS),
     )
     a = _obj(spec.get("autoscaling"), "spec.autoscaling")
     p = "spec.autoscaling"
@@ -335,10 +345,18 @@ def parse_spec(spec: Mapping[str, Any] | None, resource_name: str) -> InferenceS
         raise InvalidSpec(f"spec.redis.url must start with redis:// or rediss://, got {redis_url!r}")
     tenants = _obj(spec.get("tenants"), "spec.tenants")
     transport, shared_memory = _kv_transfer(spec.get("kvTransfer"))
+    prefill, decode = _role(spec.get("prefill"), "spec.prefill"), _role(spec.get("decode"), "spec.decode")
+    if model.runner == "pooling":
+        for name, role in (("prefill", prefill), ("decode", decode)):
+            if role != RoleSpec():  # the CRD's filled-in defaults parse to RoleSpec() too
+                raise InvalidSpec(f"spec.{name}: an embedding model (spec.model.runner: pooling) runs no {name} "
+                                  "workers: the gateway's pods serve it, so size spec.gateway instead")
+        if transport != "grpc" or shared_memory.enabled:
+            raise InvalidSpec("spec.kvTransfer: an embedding model (spec.model.runner: pooling) hands no K/V over")
     return InferenceServiceSpec(
         model=model,
-        prefill=_role(spec.get("prefill"), "spec.prefill"),
-        decode=_role(spec.get("decode"), "spec.decode"),
+        prefill=prefill,
+        decode=decode,
         gateway=_role(spec.get("gateway"), "spec.gateway"),
         autoscaling=autoscaling,
         transport=transport,

@@ -45,7 +45,8 @@ def role_condition(role: str, deployment: Mapping[str, Any] | None) -> tuple[Con
 def aggregate(conditions: list[Condition]) -> Condition:
     failing = [cond for cond in conditions if cond.status != "True"]
     if not failing:
-        return Condition("Ready", "True", "AllRolesReady", "prefill, decode and gateway are ready")
+        names = [cond.type.removesuffix("Ready").lower() for cond in conditions]
+        return Condition("Ready", "True", "AllRolesReady", f"{', '.join(names)} {'are' if len(names) > 1 else 'is'} ready")
     first = failing[0]
     return Condition("Ready", "False", first.reason,
                      "; ".join(f"{cond.type}: {cond.message or cond.reason}" for cond in failing))
@@ -70,13 +71,21 @@ def merge_conditions(old: list[Mapping[str, Any]] | None, new: list[Condition]) 
     return sorted(merged.values(), key=lambda cond: order.index(cond["type"]) if cond["type"] in order else 99)
 
 
-def roles_status(deployments: Mapping[str, Mapping[str, Any] | None]) -> tuple[list[Condition], dict[str, Any]]:
-    conditions, replicas = [], {}
+def roles_status(deployments: Mapping[str, Mapping[str, Any] | None],
+                 roles: tuple[str, ...] = c.ROLES) -> tuple[list[Condition], dict[str, Any]]:
+    """Every role's condition and replicas; Ready weighs the roles the service runs (an embedding
+    model's roles not run read NotRun, with no replicas)."""
+    conditions, replicas, run = [], {}, []
     for role in c.ROLES:
-        cond, desired, ready = role_condition(role, deployments.get(role))
+        if role in roles:
+            cond, desired, ready = role_condition(role, deployments.get(role))
+            run.append(cond)
+        else:
+            cond, desired, ready = Condition(CONDITION_TYPES[role], "True", "NotRun",
+                                             f"an embedding model runs no {role} workers"), 0, 0
         conditions.append(cond)
         replicas[role] = {"desired": desired, "ready": ready}
-    return [aggregate(conditions), *conditions], replicas
+    return [aggregate(run), *conditions], replicas
 
 
 def is_subset(part: Any, whole: Any) -> bool:

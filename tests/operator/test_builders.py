@@ -242,3 +242,33 @@ def test_parallelism_that_cannot_be_served_is_invalid(role, par, message):
     with pytest.raises(InvalidSpec, match="asks for nvidia.com/gpu 1"):
         parse_spec({"model": {"uri": "/m"}, "decode": {"parallelism": {"tensor": 2},
                                                         "resources": {"limits": {"nvidia.com/gpu": 1}}}}, "x")
+
+
+def test_an_embedding_model_runs_serve_in_the_gateway_pods_and_no_workers():
+    objs = children({"model": {"uri": "/m", "runner": "pooling"},
+                     "gateway": {"replicas": 2, "maxReplicas": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}}})
+    assert sorted(objs) == [("ConfigMap", "demo-config"), ("Deployment", "demo-gateway"), ("Service", "demo-gateway")]
+    spec = pod(objs, "gateway")
+    container = spec["containers"][0]
+    assert container["args"][:3] == ["serve", "--runner", "pooling"]
+    assert "--prefill" not in container["args"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}  # the model loads first
+    assert objs["Deployment", "demo-gateway"]["spec"]["replicas"] == 2
+    plain = pod(children({"model": {"uri": "/m"}}), "gateway")["containers"][0]
+    assert "startupProbe" not in plain and plain["args"][0] == "gateway"
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"decode": {"replicas": 3}}, "spec.decode: an embedding model"),
+    ({"prefill": {"args": ["--x"]}}, "spec.prefill: an embedding model"),
+    ({"kvTransfer": {"transport": "mooncake"}}, "hands no K/V over"),
+    ({"model": {"uri": "/m", "runner": "embed"}}, "spec.model.runner must be one of generate, pooling"),
+])
+def test_an_embedding_model_refuses_worker_settings(extra, message):
+    spec = {"model": {"uri": "/m", "runner": "pooling"}} | extra
+    with pytest.raises(InvalidSpec, match=message):
+        parse_spec(spec, "demo")
+    # The CRD's filled-in defaults for the worker roles are not settings.
+    defaults = {"replicas": 1, "minReplicas": 1, "maxReplicas": 1, "shutdownTimeoutSeconds": 25}
+    parse_spec({"model": {"uri": "/m", "runner": "pooling"}, "prefill": defaults, "decode": defaults}, "demo")

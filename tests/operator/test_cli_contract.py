@@ -67,3 +67,19 @@ def test_worker_node_name_comes_from_the_environment_the_operator_sets(monkeypat
     for role in ("prefill", "decode"):
         assert role_parser(role).parse_args(["--port", "1"]).node_name == "node-7"
 
+
+
+def test_an_embedding_models_serve_arguments_parse():
+    spec = {k: v for k, v in SPEC.items() if k != "kvTransfer"}
+    spec["model"] = SPEC["model"] | {"runner": "pooling"}
+    children = build_children(Owner("demo", "ns", "uid"), parse_spec(spec, "demo"), OperatorConfig())
+    (deployment,) = [d for d in children if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "serve"
+    parsed = role_parser("serve").parse_args(args[1:])
+    assert parsed.runner == "pooling" and parsed.model == "/models/m"
+    assert parsed.served_model_name == ["m", "m2", "m3"] and parsed.lora_modules == ["sql=/adapters/sql", "chat=/adapters/chat"]
+    assert parsed.dtype == "float32" and parsed.quantization == "int8"
+    assert parsed.host == "0.0.0.0" and parsed.port == 8000 and parsed.metrics_port == 9090
+    assert parsed.redis_url == "$(KVRELAY_REDIS_URL)" and parsed.tenants.endswith("tenants.yaml")
+    assert parsed.shutdown_delay == 5 and parsed.shutdown_timeout == 25

@@ -199,6 +199,38 @@ def test_lora_adapters_reach_every_role_and_the_api_server_refuses_a_name_twice(
     assert gateway[gateway.index("--served-model-name") + 1:][:2] == ["lora", "m-latest"]
 
 
+def test_an_embedding_model_runs_serve_alone_and_retires_the_workers(chart, operator, namespace):
+    """spec.model.runner: pooling on the real API server: the CRD refuses other runners; a service
+    switched from generate to pooling runs `kvrelay serve --runner pooling` in its gateway pods,
+    scales its workers to zero, and reads Ready from the gateway alone."""
+    kube = chart.kube
+    bad = small("emb", namespace)
+    bad["spec"]["model"]["runner"] = "embed"
+    refused = kube.apply(bad, check=False)
+    assert refused.returncode != 0 and "Unsupported value" in refused.stderr, refused.stderr
+    kube.apply(small("emb", namespace))
+    wait_for(lambda: kube.get("deployment", "emb-decode", namespace), what="the decode Deployment")
+    pooling = small("emb", namespace)
+    pooling["spec"]["model"]["runner"] = "pooling"
+    kube.apply(pooling)
+
+    def gateway_args() -> list[str]:
+        d = kube.get("deployment", "emb-gateway", namespace)
+        return d["spec"]["template"]["spec"]["containers"][0]["args"] if d else []
+
+    wait_for(lambda: gateway_args()[:3] == ["serve", "--runner", "pooling"], what="the gateway pods to run serve")
+    for role in ("prefill", "decode"):
+        wait_for(lambda role=role: kube.get("deployment", f"emb-{role}", namespace)["spec"]["replicas"] == 0,
+                 what=f"the {role} Deployment scaled to zero")
+    body = wait_for(lambda: (b := kube.get(c.SHORT_NAME, "emb", namespace))
+                    and (condition(b, "PrefillReady") or {}).get("reason") == "NotRun" and b,
+                    what="the workers' conditions to read NotRun")
+    assert body["status"]["replicas"]["decode"] == {"desired": 0, "ready": 0}
+    ready = condition(body, "Ready")
+    assert ready["status"] == "False" and "GatewayReady" in ready["message"]  # no kubelet runs pods here
+    assert "PrefillReady" not in ready["message"] and "DecodeReady" not in ready["message"]
+
+
 def test_child_edited_or_deleted_by_hand_is_restored(chart, operator, namespace):
     kube = chart.kube
     kube.apply(small("demo", namespace))
