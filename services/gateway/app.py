@@ -2,7 +2,7 @@
 
 Routers: routes_completions.py (/v1/completions), routes_chat.py (/v1/chat/completions),
 routes_models.py (/v1/models, /health, /ready), routes_metrics.py (/metrics), routes_embeddings.py
-(/v1/embeddings). The request logic is in gateway.py, the response side in response.py.
+(/v1/embeddings), routes_scoring.py (/score, /rerank). The request logic is in gateway.py, the response side in response.py.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from kvrelay.gateway import (
     routes_embeddings,
     routes_metrics,
     routes_models,
+    routes_scoring,
     routes_tokenize,
 )
 from kvrelay.gateway.access_log import AccessLog
@@ -102,8 +103,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         gateway.metrics.errors.labels("500").inc()
         return ApiError(500, "Internal server error", "server_error", code="internal_error").response()
 
-    for module in (routes_completions, routes_chat, responses_api, routes_embeddings, routes_models, routes_metrics,
-                   routes_tokenize):
+    for module in (routes_completions, routes_chat, responses_api, routes_embeddings, routes_scoring, routes_models,
+                   routes_metrics, routes_tokenize):
         app.include_router(module.router)
     if gateway.config.runtime_lora:
         from kvrelay.gateway import routes_lora

@@ -24,14 +24,21 @@ from kvrelay.gateway.tenants import Tenant
 
 
 async def prepare_embedding(gw: Gateway, body: EmbeddingRequest, tenant: Tenant) -> Prepared:
-    gw.check_model(body.model, tenant)
-    model_names.check_runner(gw.backend, body.model, "pooling")
     raw = body.input
     texts = [raw] if isinstance(raw, str) else [x for x in raw if isinstance(x, str)]
-    gw._check_prompt_bytes(texts, "input")
-    await gw.check_request_rate(tenant)
     inline = isinstance(raw, str) and len(raw) <= INLINE_PROMPT_CHARS
-    return await gw._offload(_prepare, gw, body, tenant, inline=inline)
+    return await prepare_pooled(gw, body, tenant, texts, "input", inline, _prepare)
+
+
+async def prepare_pooled(gw: Gateway, body, tenant: Tenant, texts: list[str], field_name: str, inline: bool,
+                         prepare) -> Prepared:
+    """The checks every pooling request passes before its texts are tokenized (by prepare(gw, body,
+    tenant), off the event loop unless inline): model, runner, size, request rate."""
+    gw.check_model(body.model, tenant)
+    model_names.check_runner(gw.backend, body.model, "pooling")
+    gw._check_prompt_bytes(texts, field_name)
+    await gw.check_request_rate(tenant)
+    return await gw._offload(prepare, gw, body, tenant, inline=inline)
 
 
 def _prepare(gw: Gateway, body: EmbeddingRequest, tenant: Tenant) -> Prepared:
@@ -46,24 +53,33 @@ def _prepare(gw: Gateway, body: EmbeddingRequest, tenant: Tenant) -> Prepared:
         prompts = [gw._encode(x, "input") for x in raw]
     else:
         prompts = [list(x) for x in raw]
+    return pooled_request(gw, body, tenant, prompts, "embedding", "input", PoolingParams(body.dimensions, body.normalize))
+
+
+def pooled_request(gw: Gateway, body, tenant: Tenant, prompts: list[list[int]], kind: str, field_name: str,
+                   pooling: PoolingParams) -> Prepared:
+    """A Prepared request that pools each prompt (truncated by the body's truncate_prompt_tokens),
+    each checked against the vocabulary and the context."""
     prompts = gw._truncate(prompts, body)
     vocab = gw.backend.tokenizer.vocab_size
     if any(t >= vocab for p in prompts for t in p):
-        raise errors.bad_request(f"input: token ids must be < the vocabulary size {vocab}", "input")
+        raise errors.bad_request(f"{field_name}: token ids must be < the vocabulary size {vocab}", field_name)
     limit = gw.backend.max_model_len
     for i, ids in enumerate(prompts):
         if not ids:
-            raise errors.bad_request(f"input: input {i} has no tokens", "input")
+            raise errors.bad_request(f"{field_name}: input {i} has no tokens", field_name)
         if len(ids) > limit:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens; input {i} has {len(ids)}: "
-                           "shorten it, or set truncate_prompt_tokens", param="input", code="context_length_exceeded")
-    params = SamplingParams(max_tokens=1, temperature=0.0, pooling=PoolingParams(body.dimensions, body.normalize),
+                           "shorten it, or set truncate_prompt_tokens", param=field_name,
+                           code="context_length_exceeded")
+    params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling,
                             lora=body.model if body.model in gw.backend.lora_modules else None)
     try:
         params.validate(vocab)
     except InvalidRequestError as e:
         raise errors.bad_request(str(e), e.field) from e
-    p = Prepared("embedding", f"embd-{uuid.uuid4().hex}", model_names.answered_as(gw.backend, body.model), tenant,
+    prefix = {"embedding": "embd", "score": "score", "rerank": "rerank"}[kind]
+    p = Prepared(kind, f"{prefix}-{uuid.uuid4().hex}", model_names.answered_as(gw.backend, body.model), tenant,
                  prompts, params, stream=False, include_usage=False, logprobs=False,
                  reserve=sum(len(ids) for ids in prompts))
     p.cache_salt = gw.cache_salt(tenant, None)  # LAST pooling reuses cached prefixes: tenants' stay apart
@@ -81,7 +97,7 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
 class EmbeddingsResponse(GenerationResponse):
     """A GenerationResponse whose answer is every input's vector (never streamed)."""
 
-    def __init__(self, gateway: Gateway, prepared: Prepared, encoding_format: str):
+    def __init__(self, gateway: Gateway, prepared: Prepared, encoding_format: str = "float"):
         super().__init__(gateway, prepared)
         self.encoding_format = encoding_format
         self.vectors: dict[int, list[float]] = {}
@@ -95,13 +111,17 @@ class EmbeddingsResponse(GenerationResponse):
             self.cached[i] = out.num_cached_tokens
         return i, c, None
 
+    def all_vectors(self) -> list[list[float]]:
+        """Every input's vector, in order; 503 when one ended without (aborted upstream)."""
+        missing = set(range(len(self.p.prompts))) - set(self.vectors)
+        if missing:
+            raise errors.unavailable(f"The engine ended input {min(missing)} without an embedding", "engine_aborted")
+        return [self.vectors[i] for i in range(len(self.p.prompts))]
+
     def _final_body(self) -> dict:
         p = self.p
-        if len(self.vectors) != len(p.prompts):  # an input ended without its vector (aborted upstream)
-            missing = min(set(range(len(p.prompts))) - set(self.vectors))
-            raise errors.unavailable(f"The engine ended input {missing} without an embedding", "engine_aborted")
-        data = [{"object": "embedding", "index": i, "embedding": encode_vector(self.vectors[i], self.encoding_format)}
-                for i in range(len(p.prompts))]
+        data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, self.encoding_format)}
+                for i, v in enumerate(self.all_vectors())]
         tokens = self._prompt_tokens
         return {"id": p.request_id, "object": "list", "created": p.created, "model": p.model, "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

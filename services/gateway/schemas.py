@@ -131,6 +131,36 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+ScoreTexts = EmbeddingText | Annotated[list[EmbeddingText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+
+
+class _PoolingFields(_Strict):
+    model: str
+    user: Annotated[str, Field(max_length=256)] | None = None
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
+    priority: Annotated[Int, Field(ge=-MAX_REQUEST_PRIORITY, le=MAX_REQUEST_PRIORITY)] = 0
+
+
+class ScoreRequest(_PoolingFields):
+    """vLLM's score API: text_1 against each of text_2 (one text_1), or pairwise (equal lists)."""
+
+    text_1: ScoreTexts
+    text_2: ScoreTexts
+
+
+class RerankDocument(_Strict):
+    text: EmbeddingText
+
+
+class RerankRequest(_PoolingFields):
+    """The Jina / Cohere rerank API as vLLM serves it."""
+
+    query: EmbeddingText
+    documents: Annotated[list[EmbeddingText | RerankDocument], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    top_n: Annotated[Int, Field(ge=0)] | None = None  # None or 0: every document
+    return_documents: bool = True
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str

@@ -139,3 +139,50 @@ def test_no_prefill_decode_split_for_embeddings(argv):
                          text=True, timeout=120)
     assert run.returncode != 0
     assert "no decode phase to hand" in run.stderr, run.stderr[-2000:]
+
+
+def _post(url: str, path: str, body: dict, key: str = "sk-big") -> httpx.Response:
+    return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def _cosines(model_dir, query: str, docs: list[str]) -> list[float]:
+    vectors = hf_vectors(model_dir, _ids([query, *docs]), "LAST")
+    return [float(vectors[0] @ v) for v in vectors[1:]]
+
+
+def test_score_one_against_many_and_pairwise(gateway, model_dir):
+    docs = PROMPTS[1:4]
+    one = _post(gateway.url, "/v1/score", {"model": "tiny-embed", "text_1": PROMPTS[0], "text_2": docs})
+    assert one.status_code == 200, one.text
+    body = one.json()
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["data"][0]["object"] == "score"
+    assert [d["score"] for d in body["data"]] == pytest.approx(_cosines(model_dir, PROMPTS[0], docs), abs=1e-5)
+    assert body["usage"]["prompt_tokens"] == sum(map(len, _ids([PROMPTS[0], *docs])))
+    pairs = _post(gateway.url, "/score", {"model": "tiny-embed", "text_1": PROMPTS[:2], "text_2": PROMPTS[2:4]}).json()
+    want = [_cosines(model_dir, PROMPTS[i], [PROMPTS[i + 2]])[0] for i in range(2)]
+    assert [d["score"] for d in pairs["data"]] == pytest.approx(want, abs=1e-5)
+    bad = _post(gateway.url, "/v1/score", {"model": "tiny-embed", "text_1": PROMPTS[:2], "text_2": PROMPTS[2:5]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    assert "give one text_1, or as many as text_2" in bad.json()["error"]["message"]
+
+
+def test_rerank_orders_documents_by_similarity(gateway, model_dir):
+    query, docs = PROMPTS[0], PROMPTS[1:6]
+    cos = _cosines(model_dir, query, docs)
+    out = _post(gateway.url, "/v1/rerank", {"model": "tiny-embed", "query": query, "documents": docs, "top_n": 3})
+    assert out.status_code == 200, out.text
+    results = out.json()["results"]
+    best = sorted(range(len(docs)), key=lambda k: -cos[k])[:3]
+    assert [r["index"] for r in results] == best
+    assert [r["relevance_score"] for r in results] == pytest.approx([cos[k] for k in best], abs=1e-5)
+    assert [r["document"]["text"] for r in results] == [docs[k] for k in best]
+    plain = _post(gateway.url, "/v2/rerank", {"model": "tiny-embed", "query": query, "return_documents": False,
+                                               "documents": [{"text": d} for d in docs]}).json()
+    assert len(plain["results"]) == len(docs) and "document" not in plain["results"][0]
+    assert plain["usage"]["total_tokens"] == sum(map(len, _ids([query, *docs])))
+
+
+def test_score_and_rerank_need_an_embedding_model(open_gateway):
+    for path, body in (("/v1/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]})):
+        out = _post(open_gateway.url, path, {"model": "stories260K", **body})
+        assert out.status_code == 400 and "--runner pooling" in out.json()["error"]["message"]
