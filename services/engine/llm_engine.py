@@ -128,7 +128,7 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             from kvrelay.engine.parallel.executor import start_executor
 
             self.executor = start_executor(args, self.config, self.dtype, self.device, self.ops.backend,
-                                           self.max_model_len, kv_cache_storage, spec)
+                                           self.max_model_len, kv_cache_storage, spec, pooling=self.pooler is not None)
             self.model, self.device = self.executor, torch.device("cpu")  # logits come back to the CPU
         else:
             self.model = load_model(args, model_dir, self.config, self.dtype, self.device, self.ops,
@@ -172,6 +172,7 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
                 self.kv_cache.view(-1).fill_(0)
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.max_model_len, args.max_num_seqs,
                                   args.max_num_batched_tokens)
+        self.runner.sample_on_worker &= self.pooler is None  # a pooling step's rows are vectors: nothing to sample
         if use_graphs:
             self.runner.capture_graphs()
         if args.piecewise_cuda_graphs:
@@ -193,7 +194,8 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         overlap = args.pipeline_overlap
         if self.executor is not None and overlap is None:
             overlap = self.executor.spec.device_type == "cuda"  # each stage on its own GPU
-        if self.executor is not None and args.pipeline_parallel_size > 1 and overlap and spec is None:
+        # Overlapping stages keep decodes flowing; a pooling engine has none, and pools in _run.
+        if self.executor is not None and args.pipeline_parallel_size > 1 and overlap and spec is None and not self.pooler:
             from kvrelay.engine.parallel.pipeline import PipelineOverlap
 
             self.pipeline = PipelineOverlap(self, args.pipeline_parallel_size)

@@ -94,14 +94,19 @@ def _shard_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
+def checkpoint_files(model_dir: Path, names) -> tuple[dict[str, Path], dict[str, str]]:
+    """(name -> file holding it, name -> the name stored there) for the names an architecture reads:
+    a bare decoder's checkpoint (LlamaModel, Qwen2Model: embedding models) stores them without the
+    "model." prefix. Names found nowhere are left out."""
+    files = _shard_files(model_dir)
+    cut = len("model.")
+    stored = {n: n[cut:] if n not in files and n.startswith("model.") and n[cut:] in files else n for n in names}
+    return {n: files[s] for n, s in stored.items() if s in files}, stored
+
+
 def read_tensors(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     shapes = expected_shapes(config)
-    files = _shard_files(model_dir)
-    # A bare decoder's checkpoint (LlamaModel, Qwen2Model: embedding models) names its tensors without
-    # the "model." prefix the architectures use.
-    stored = {n: n[len("model."):] if n not in files and n.startswith("model.") and n[len("model."):] in files
-              else n for n in shapes}
-    files = {n: files[s] for n, s in stored.items() if s in files}
+    files, stored = checkpoint_files(model_dir, shapes)
     missing = [n for n in shapes if n not in files]
     if missing:
         where = ", ".join(sorted({files_path.name for files_path in files.values()})) or "no file"

@@ -67,6 +67,21 @@ def test_bare_decoder_checkpoint_is_an_embedding_model(tmp_path, arch, mode, nor
     assert_close(embed(engine, PROMPTS), hf_vectors(path, ids, mode, normalize))
 
 
+@pytest.mark.parametrize(("tp", "pp", "mode"), [(2, 1, "LAST"), (1, 2, "MEAN")])
+def test_tensor_and_pipeline_parallel_ranks_pool_like_transformers(tmp_path, tp, pp, mode):
+    """The last stage's TP rank 0 returns the normed hidden rows (whole after the all-reduces); a
+    bare decoder's checkpoint is sliced per rank under its unprefixed names."""
+    path = save_bare_decoder(tmp_path / "bare", "qwen2")
+    write_sentence_transformers(path, mode, normalize=True)
+    engine = make_engine(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_batched_tokens=16,
+                         kv_cache_memory=2**20)
+    try:
+        ids = [engine.tokenizer.encode_prompt(p) for p in PROMPTS]
+        assert_close(embed(engine, PROMPTS), hf_vectors(path, ids, mode))
+    finally:
+        engine.close()
+
+
 def test_matryoshka_dimensions_and_per_request_normalize(tmp_path):
     path = save_bare_decoder(tmp_path / "m", "llama", matryoshka_dimensions=[16, 32])
     engine = make_engine(path)

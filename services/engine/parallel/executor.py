@@ -407,8 +407,9 @@ class MultiprocExecutor:
 
 
 def start_executor(args, config, dtype: torch.dtype, device: torch.device, kernel_backend: str, max_model_len: int,
-                   kv_cache_storage=None, spec=None) -> MultiprocExecutor:
-    """The executor for EngineArgs' parallel sizes, after the checks that need no worker."""
+                   kv_cache_storage=None, spec=None, pooling: bool = False) -> MultiprocExecutor:
+    """The executor for EngineArgs' parallel sizes, after the checks that need no worker. pooling:
+    an embedding model's (kvrelay.engine.pooling): the workers return hidden rows for the logits."""
     from kvrelay.engine import architectures
     from kvrelay.engine.lora import lora_names
     from kvrelay.engine.model import DecoderModel
@@ -452,7 +453,7 @@ def start_executor(args, config, dtype: torch.dtype, device: torch.device, kerne
          "gpu_memory_utilization": args.gpu_memory_utilization,
          "max_num_batched_tokens": args.max_num_batched_tokens, "plugins": args.plugins,
          "enable_expert_parallel": args.enable_expert_parallel,
-         "lora_modules": tuple(args.lora_modules or ()), "max_lora_rank": args.max_lora_rank},
+         "lora_modules": tuple(args.lora_modules or ()), "max_lora_rank": args.max_lora_rank, "pooling": pooling},
         args.tensor_parallel_size, args.pipeline_parallel_size, layout,
     )
     executor.adapters = adapters

@@ -13,7 +13,7 @@ from kvrelay.engine.errors import ModelLoadError
 from kvrelay.engine.model_config import ModelConfig
 from kvrelay.engine.parallel.layers import cut, local_config, shard_plan, stage_layers
 from kvrelay.engine.parallel.state import ParallelState
-from kvrelay.engine.weights import _shard_files, assemble, dummy_tensors, expected_shapes
+from kvrelay.engine.weights import assemble, checkpoint_files, dummy_tensors, expected_shapes
 from safetensors import safe_open
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -57,7 +57,7 @@ def read_rank_tensors(model_dir: Path, config: ModelConfig, state: ParallelState
                              shapes[name]).clone()
     else:
         model_dir = Path(model_dir)
-        files = _shard_files(model_dir)
+        files, stored = checkpoint_files(model_dir, names)
         missing = [n for n in names if n not in files]
         if missing:
             raise ModelLoadError(f"{model_dir}: tensor {missing[0]!r} (expected shape {list(shapes[missing[0]])}) "
@@ -68,7 +68,7 @@ def read_rank_tensors(model_dir: Path, config: ModelConfig, state: ParallelState
         for path, file_names in sorted(by_file.items()):
             with safe_open(str(path), framework="pt") as st:
                 for name in file_names:
-                    sl = st.get_slice(name)
+                    sl = st.get_slice(stored[name])
                     shape = tuple(sl.get_shape())
                     if shape != shapes[name]:
                         raise ModelLoadError(f"{path.name}: tensor {name!r} has shape {list(shape)}, expected "

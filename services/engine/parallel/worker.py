@@ -56,6 +56,7 @@ class WorkerSpec:
     enable_expert_parallel: bool = False  # MoE: the TP ranks hold disjoint experts instead of replicas
     lora_modules: tuple[str, ...] = ()  # --lora-modules: each rank reads them and keeps its shards
     max_lora_rank: int = 16
+    pooling: bool = False  # an embedding model (--runner pooling): the last stage returns hidden rows, not logits
 
 
 def encode(obj) -> bytes:
@@ -204,6 +205,7 @@ def _serve(rank: int, spec: WorkerSpec, conn) -> None:
     pack_linears(weights, ops.prepack_linear)
     build_model = architectures.get(spec.config.architecture).build_model or DecoderModel  # MoE: its subclass
     model = build_model(local, weights, ops, spec.max_model_len, vocab_size=spec.config.vocab_size)
+    model.pooling = spec.pooling
     if spec.lora_modules:
         from kvrelay.engine.lora.sharding import load_rank_lora_set
 

@@ -127,9 +127,6 @@ def setup_pooling(args, model_dir: Path, config):
     refused = [flag for flag, on in (
         ("--speculative-method", args.speculative_method is not None),
         ("--async-scheduling", args.async_scheduling),
-        ("--tensor-parallel-size > 1", args.tensor_parallel_size > 1),
-        ("--pipeline-parallel-size > 1", args.pipeline_parallel_size > 1),
-        ("--distributed-executor-backend mp", args.distributed_executor_backend == "mp"),
     ) if on]
     if refused:
         raise ValueError(f"--runner pooling (embeddings) does not combine with {', '.join(refused)}")
