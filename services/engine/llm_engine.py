@@ -309,20 +309,9 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             # MoE counters (with worker processes, read from TP rank 0 on demand)
             expert_load=getattr(self.model, "expert_load", None) if self.config.moe is not None else None,
             **request_counts(getattr(self.model, "adapters", None), self.scheduler),
-            **self._spec_stats(),
+            **(self.speculator.engine_stats() if self.speculator is not None else {}),
             **(self.executor.stats.as_engine_stats() if self.executor is not None else {}),
         )
-
-    def _spec_stats(self) -> dict:
-        if self.speculator is None:
-            return {}
-        s = self.speculator.stats
-        return {"spec_num_drafts": s.num_drafts, "spec_num_draft_tokens": s.num_draft_tokens,
-                "spec_num_accepted_tokens": s.num_accepted_tokens,
-                "spec_accepted_per_position": list(s.accepted_per_position),
-                "spec_num_constrained_drafts": s.num_constrained_drafts,
-                "spec_num_constrained_accepted_tokens": s.num_constrained_accepted_tokens,
-                "spec_num_grammar_cut_tokens": s.num_grammar_cut_tokens}
 
     # ---- one step -------------------------------------------------------------------------
 

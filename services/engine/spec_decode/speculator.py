@@ -211,3 +211,13 @@ class Speculator:
         self._k[seq] = (k // 2 if k > 1 else -COOL_DOWN_STEPS) if accepted == 0 else min(self.config.num_tokens, k + 1)
         if len(self._k) > 4 * self.budget:  # forget finished sequences now and then
             self._k = {s: v for s, v in self._k.items() if not s.finished}
+
+    def engine_stats(self) -> dict:
+        """The counters as EngineStats fields (vLLM's spec_decode_* metrics)."""
+        s = self.stats
+        return {"spec_num_drafts": s.num_drafts, "spec_num_draft_tokens": s.num_draft_tokens,
+                "spec_num_accepted_tokens": s.num_accepted_tokens,
+                "spec_accepted_per_position": list(s.accepted_per_position),
+                "spec_num_constrained_drafts": s.num_constrained_drafts,
+                "spec_num_constrained_accepted_tokens": s.num_constrained_accepted_tokens,
+                "spec_num_grammar_cut_tokens": s.num_grammar_cut_tokens}
