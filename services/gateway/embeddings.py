@@ -44,15 +44,7 @@ async def prepare_pooled(gw: Gateway, body, tenant: Tenant, texts: list[str], fi
 def _prepare(gw: Gateway, body: EmbeddingRequest, tenant: Tenant) -> Prepared:
     if body.user is not None:
         errors.check_text(body.user, "user")
-    raw = body.input
-    if isinstance(raw, str):
-        prompts = [gw._encode(raw, "input")]
-    elif all(isinstance(x, int) for x in raw):
-        prompts = [list(raw)]
-    elif all(isinstance(x, str) for x in raw):
-        prompts = [gw._encode(x, "input") for x in raw]
-    else:
-        prompts = [list(x) for x in raw]
+    prompts = gw.encode_prompts(body.input, "input")
     return pooled_request(gw, body, tenant, prompts, "embedding", "input", PoolingParams(body.dimensions, body.normalize))
 
 

@@ -235,6 +235,14 @@ class Gateway:
             return prompts
         return [p[-k:] for p in prompts]
 
+    def encode_prompts(self, raw: str | list, field_name: str) -> list[list[int]]:
+        """OpenAI's prompt forms (a text, token ids, texts, lists of token ids) as token id lists."""
+        if isinstance(raw, str):
+            return [self._encode(raw, field_name)]
+        if all(isinstance(x, int) for x in raw):
+            return [list(raw)]
+        return [self._encode(x, field_name) if isinstance(x, str) else list(x) for x in raw]
+
     def _encode(self, text: str, field_name: str) -> list[int]:
         errors.check_text(text, field_name)
         tok = self.backend.tokenizer
@@ -314,14 +322,7 @@ class Gateway:
         if body.user is not None:
             errors.check_text(body.user, "user")
         raw = body.prompt
-        if isinstance(raw, str):
-            prompts = [self._encode(raw, "prompt")]
-        elif all(isinstance(x, int) for x in raw):
-            prompts = [list(raw)]
-        elif all(isinstance(x, str) for x in raw):
-            prompts = [self._encode(x, "prompt") for x in raw]
-        else:
-            prompts = [list(x) for x in raw]
+        prompts = self.encode_prompts(raw, "prompt")
         truncated = self._truncate(prompts, body)
         echo_ids = truncated is not prompts  # echo what the model saw
         prompts = truncated
