@@ -215,6 +215,26 @@ def section_parity(rep: Report, device: str, smoke: bool) -> None:
             f"parity stories260K greedy, a LoRA adapter on half the prompts, {device}: {same}/{len(PROMPTS)} "
             f"identical to CPU torch (the adapter changed {changed}/{loras.count('a')} outputs; "
             f"{engine.runner.graph_steps} graph steps)")
+    # Embeddings (--runner pooling): MEAN pooling, so every prompt row comes back, in 24-token chunks.
+    ref, got = (embed_vectors(engine_for(BUNDLED_MODEL, where, runner="pooling", max_num_batched_tokens=24,
+                                         pooler_config='{"pooling_type": "MEAN"}', **kw), PROMPTS)
+                for where, kw in (("cpu", {"kernel_backend": "torch"}), (device, {"kv_cache_memory": 64 * 2**20})))
+    diff = max(abs(a - b) for u, v in zip(ref, got) for a, b in zip(u, v))
+    rep.add("parity_pooling", {"max_abs_diff": diff, "of": len(PROMPTS), "ok": diff < 1e-3},
+            f"parity stories260K embeddings (MEAN, normalized), {device} against CPU torch: max |diff| {diff:.1e} "
+            f"over {len(PROMPTS)} prompts ({'ok' if diff < 1e-3 else 'MISMATCH'})")
+
+
+def embed_vectors(engine, prompts: list[str]) -> list[list[float]]:
+    from kvrelay.engine.pooling.params import PoolingParams
+    from kvrelay.engine.sampling_params import SamplingParams
+
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(pooling=PoolingParams()), f"emb{i}")
+    done = {}
+    while engine.has_work():
+        done |= {o.request_id: o.embedding for o in engine.step() if o.finished}
+    return [done[f"emb{i}"] for i in range(len(prompts))]
 
 
 def section_parallel(rep: Report, device: str, smoke: bool) -> None:
