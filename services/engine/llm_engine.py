@@ -133,7 +133,7 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         else:
             self.model = load_model(args, model_dir, self.config, self.dtype, self.device, self.ops,
                                     self.max_model_len)
-            self.model.pooling = self.pooler is not None
+            self.model.pooling = self.pooler is not None and self.pooler.task == "embed"
 
         cfg = self.config
         bs = args.block_size

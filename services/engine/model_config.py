@@ -52,6 +52,8 @@ class ModelConfig:
     local_rope_theta: float | None = None  # Gemma 3: sliding layers use default rope with this base
     # Mixture of experts (kvrelay.engine.architectures.moe.MoEConfig); None for a dense model.
     moe: Any = None
+    # Sequence classifiers (architectures/classify.py): the head's labels; 0 for every other model.
+    num_labels: int = 0
 
     @property
     def q_size(self) -> int:

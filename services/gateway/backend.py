@@ -139,6 +139,11 @@ class LocalBackend:
         return self.engine.runner_type
 
     @property
+    def pooler(self):
+        """A pooling engine's PoolerConfig (task embed or classify, the labels); None when it generates."""
+        return self.engine.pooler
+
+    @property
     def model_aliases(self) -> tuple[str, ...]:
         return tuple(getattr(self.engine_args, "served_model_aliases", ()))
 

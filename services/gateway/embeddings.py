@@ -31,11 +31,11 @@ async def prepare_embedding(gw: Gateway, body: EmbeddingRequest, tenant: Tenant)
 
 
 async def prepare_pooled(gw: Gateway, body, tenant: Tenant, texts: list[str], field_name: str, inline: bool,
-                         prepare) -> Prepared:
+                         prepare, task: str = "embed") -> Prepared:
     """The checks every pooling request passes before its texts are tokenized (by prepare(gw, body,
-    tenant), off the event loop unless inline): model, runner, size, request rate."""
+    tenant), off the event loop unless inline): model, task (embed or classify), size, request rate."""
     gw.check_model(body.model, tenant)
-    model_names.check_runner(gw.backend, body.model, "pooling")
+    model_names.check_runner(gw.backend, body.model, task)
     gw._check_prompt_bytes(texts, field_name)
     await gw.check_request_rate(tenant)
     return await gw._offload(prepare, gw, body, tenant, inline=inline)
@@ -70,7 +70,7 @@ def pooled_request(gw: Gateway, body, tenant: Tenant, prompts: list[list[int]], 
         params.validate(vocab)
     except InvalidRequestError as e:
         raise errors.bad_request(str(e), e.field) from e
-    prefix = {"embedding": "embd", "score": "score", "rerank": "rerank"}[kind]
+    prefix = {"embedding": "embd", "score": "score", "rerank": "rerank", "classify": "classify"}[kind]
     p = Prepared(kind, f"{prefix}-{uuid.uuid4().hex}", model_names.answered_as(gw.backend, body.model), tenant,
                  prompts, params, stream=False, include_usage=False, logprobs=False,
                  reserve=sum(len(ids) for ids in prompts))

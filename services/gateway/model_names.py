@@ -27,17 +27,21 @@ def check_model(backend, model: str, tenant: Tenant) -> None:
         raise errors.forbidden(f"Tenant {tenant.id!r} may not use model {model!r}", "model")
 
 
+SERVES = {"generate": "generates text (completions, chat, responses)",
+          "embed": "is an embedding model (/v1/embeddings, /score, /rerank)",
+          "classify": "is a classification model (/classify)"}
+
+
 def check_runner(backend, model: str, wanted: str) -> None:
-    """400 when the model serves the other kind of request: a pooling engine (kvrelay.engine.pooling)
-    only embeddings, a generating one no embeddings."""
-    runner = getattr(backend, "runner_type", "generate")  # workers behind a cluster gateway generate
-    if runner == wanted:
+    """400 when the model serves another kind of request (wanted: generate, embed or classify): a
+    pooling engine (kvrelay.engine.pooling) embeds or classifies only, a generating one neither."""
+    pooler = getattr(backend, "pooler", None)  # workers behind a cluster gateway generate
+    task = "generate" if pooler is None else pooler.task
+    if task == wanted:
         return
-    if runner == "pooling":
-        raise errors.bad_request(f"The model {model!r} is an embedding model: it serves /v1/embeddings, not "
-                                 "completions or chat", "model", "model_not_supported")
-    raise errors.bad_request(f"The model {model!r} generates text and serves no embeddings: start `kvrelay serve` "
-                             "with an embedding model (--runner pooling)", "model", "model_not_supported")
+    fix = ("start `kvrelay serve` with an embedding or classification model (--runner pooling)"
+           if task == "generate" else "use the endpoints it serves")
+    raise errors.bad_request(f"The model {model!r} {SERVES[task]}: {fix}", "model", "model_not_supported")
 
 
 def answered_as(backend, model: str) -> str:

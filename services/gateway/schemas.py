@@ -96,13 +96,16 @@ MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request: OpenAI's limit
 EmbeddingText = Annotated[str, Field(min_length=1)]
 
 
+PoolingInput = EmbeddingText | TokenIds | Annotated[list[EmbeddingText], Field(
+    min_length=1, max_length=MAX_EMBEDDING_INPUTS)] | Annotated[list[TokenIds], Field(
+        min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+
+
 class EmbeddingRequest(_Strict):
     """OpenAI's embeddings request, with vLLM's extensions (clients send them through `extra_body`)."""
 
     model: str
-    input: EmbeddingText | TokenIds | Annotated[list[EmbeddingText], Field(
-        min_length=1, max_length=MAX_EMBEDDING_INPUTS)] | Annotated[list[TokenIds], Field(
-            min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    input: PoolingInput
     encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32 bytes
     dimensions: Annotated[Int, Field(ge=1)] | None = None  # Matryoshka models only
     user: Annotated[str, Field(max_length=256)] | None = None
@@ -146,6 +149,12 @@ class ScoreRequest(_PoolingFields):
 
     text_1: ScoreTexts
     text_2: ScoreTexts
+
+
+class ClassifyRequest(_PoolingFields):
+    """vLLM's classification request: label probabilities of each input."""
+
+    input: PoolingInput
 
 
 class RerankDocument(_Strict):

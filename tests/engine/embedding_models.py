@@ -49,6 +49,34 @@ def save_bare_decoder(path: Path, arch: str, **overrides) -> Path:
     return path
 
 
+def save_classifier(path: Path, arch: str, num_labels: int, **overrides) -> Path:
+    """A random tiny `<Arch>ForSequenceClassification` (a `score` head, no LM head), bundled tokenizer."""
+    import transformers
+
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "qwen3": transformers.Qwen3Config}[arch]
+    kwargs = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+              "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None, "num_labels": num_labels,
+              **({"head_dim": 32} if arch == "qwen3" else {}), **overrides}
+    torch.manual_seed(7)
+    model = transformers.AutoModelForSequenceClassification.from_config(config_cls(**kwargs), dtype=torch.float32)
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(BUNDLED_MODEL / name, path / name)
+    return path
+
+
+def hf_class_probs(model_dir: Path | str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' sequence classification, one prompt at a time: softmax of the logits (sigmoid for one label)."""
+    import transformers
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = [model(torch.tensor([ids])).logits[0] for ids in prompts]
+    return [lg.softmax(-1) if lg.shape[0] > 1 else lg.sigmoid() for lg in logits]
+
+
 def hf_vectors(model_dir: Path | str, prompts: list[list[int]], mode: str, normalize: bool = True,
                dimensions: int | None = None) -> list[torch.Tensor]:
     """The reference: transformers' last hidden state (after the final norm), pooled, one prompt at a time."""

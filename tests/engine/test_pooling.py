@@ -7,7 +7,13 @@ import json
 
 import pytest
 import torch
-from embedding_models import hf_vectors, save_bare_decoder, write_sentence_transformers
+from embedding_models import (
+    hf_class_probs,
+    hf_vectors,
+    save_bare_decoder,
+    save_classifier,
+    write_sentence_transformers,
+)
 from helpers import PROMPTS, make_engine
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from kvrelay.engine.pooling.config import PoolerConfig
@@ -169,3 +175,22 @@ def test_start_up_refusals(tmp_path):
     write_sentence_transformers(bare, "MAX")
     with pytest.raises(ModelLoadError, match="pooling_mode_max_tokens is not supported"):
         make_engine(bare)
+
+
+@pytest.mark.parametrize(("arch", "num_labels"), [("qwen2", 3), ("llama", 1)])
+def test_sequence_classifier_answers_label_probabilities(tmp_path, arch, num_labels):
+    """`*ForSequenceClassification`: --runner auto classifies; the score head's softmax (sigmoid for
+    one label) at the last token equals transformers', through chunked prefill."""
+    id2label = {str(i): f"class-{i}" for i in range(num_labels)}
+    path = save_classifier(tmp_path / arch, arch, num_labels, id2label=id2label)
+    engine = make_engine(path, max_num_batched_tokens=16)
+    assert engine.runner_type == "pooling" and engine.pooler.task == "classify"
+    assert engine.pooler.labels == tuple(id2label.values())
+    ids = [engine.tokenizer.encode_prompt(p) for p in PROMPTS]
+    assert_close(embed(engine, PROMPTS), hf_class_probs(path, ids))
+    with pytest.raises(InvalidRequestError, match="dimensions: not for a classification model"):
+        engine.add_request("x", SamplingParams(pooling=PoolingParams(dimensions=2)), "bad")
+    with pytest.raises(ModelLoadError, match="serves classifications"):
+        make_engine(path, runner="generate")
+    with pytest.raises(ValueError, match="does not combine with --tensor-parallel-size > 1"):
+        make_engine(path, tensor_parallel_size=2)

@@ -2,8 +2,9 @@
 family's config onto the decoder's building blocks and its checkpoint names onto weights.
 
 Built in: Llama, Mistral, Qwen2, Qwen3 (llama.py), Gemma 2 and Gemma 3 text (gemma.py), Phi-3
-(phi3.py), and the mixture-of-experts families Mixtral (mixtral.py), Qwen2-MoE and Qwen3-MoE
-(qwen_moe.py) over the shared sparse block (moe.py). Plugins add more through the `kvrelay.architectures` entry-point group
+(phi3.py), the mixture-of-experts families Mixtral (mixtral.py), Qwen2-MoE and Qwen3-MoE
+(qwen_moe.py) over the shared sparse block (moe.py), and the Llama family's sequence classifiers
+(classify.py). Plugins add more through the `kvrelay.architectures` entry-point group
 (kvrelay.plugins); a name registered twice is an error.
 """
 
@@ -57,9 +58,9 @@ def lookup(names: list[str], source: str = "config.json") -> Architecture:
 
 
 def _register_builtins() -> None:
-    from kvrelay.engine.architectures import gemma, llama, mixtral, phi3, qwen_moe
+    from kvrelay.engine.architectures import classify, gemma, llama, mixtral, phi3, qwen_moe
 
-    for module in (llama, gemma, phi3, mixtral, qwen_moe):
+    for module in (llama, gemma, phi3, mixtral, qwen_moe, classify):
         for arch in module.ARCHITECTURES:
             register(arch)
 

@@ -84,6 +84,7 @@ class EngineCoreClient:
         self.model_name = process.args.served_model_name or Path(process.args.model).name
         self.max_model_len = 0
         self.runner_type = "generate"
+        self.pooler = None
         self._info: EngineInfo | None = None
         self._stats: EngineStats | None = None
         self._streams: dict[str, asyncio.Queue] = {}
@@ -114,7 +115,7 @@ class EngineCoreClient:
         info = await self._ready
         self._info = info
         self.model_name, self.max_model_len = info.model_name, info.max_model_len
-        self.runner_type = info.runner_type
+        self.runner_type, self.pooler = info.runner_type, info.pooler
         threading.Thread(target=self._watch, args=(asyncio.get_running_loop(),), daemon=True).start()
 
     @property

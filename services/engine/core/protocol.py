@@ -40,6 +40,7 @@ class EngineInfo:
     default_sampling_params: SamplingParams
     pid: int
     runner_type: str = "generate"  # or "pooling": an embedding model (kvrelay.engine.pooling)
+    pooler: Any = None  # pooling: its PoolerConfig (embed or classify, the labels)
 
 
 @dataclass(frozen=True)

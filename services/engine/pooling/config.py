@@ -27,6 +27,10 @@ _ST_MODULES = ("Transformer", "Pooling", "Normalize")
 class PoolerConfig:
     pooling_type: str = "LAST"
     normalize: bool = True
+    # embed: the vector itself; classify: a sequence classifier's label probabilities (its head's
+    # logits at the last token, architectures/classify.py), labels by index.
+    task: str = "embed"
+    labels: tuple[str, ...] = ()
     # Matryoshka models (config.json's is_matryoshka / matryoshka_dimensions) accept a request's
     # `dimensions`; others refuse it. Empty: any size up to the hidden size.
     matryoshka: bool = False
@@ -35,13 +39,14 @@ class PoolerConfig:
 
 def resolve_runner(requested: str, architectures: list[str]) -> str:
     """auto: a checkpoint of the bare decoder (config.json names `LlamaModel`, `Qwen2Model`, ...: no
-    LM head) is an embedding model; anything else generates."""
+    LM head) is an embedding model, a sequence classifier a classification model; anything else
+    generates."""
     if requested not in RUNNERS:
         raise ValueError(f"--runner must be one of {', '.join(RUNNERS)}, got {requested!r}")
     if requested != "auto":
         return requested
     first = architectures[0] if architectures else ""
-    return "pooling" if first.endswith("Model") else "generate"
+    return "pooling" if first.endswith(("Model", "ForSequenceClassification")) else "generate"
 
 
 def read_pooler_config(model_dir: Path, raw_config: dict, override: str | None = None) -> PoolerConfig:
@@ -117,10 +122,12 @@ def setup_pooling(args, model_dir: Path, config):
     raw = json.loads((model_dir / "config.json").read_text())
     runner = resolve_runner(args.runner, raw.get("architectures") or [])
     bare = config.architecture.endswith("Model")
+    classifier = config.num_labels > 0
     if runner == "generate":
-        if bare:
+        if bare or classifier:
             raise ModelLoadError(f"{model_dir}: config.json names {config.architecture}, a decoder without an LM "
-                                 "head: it serves embeddings (--runner pooling), not generation")
+                                 f"head: it serves {'classifications' if classifier else 'embeddings'} "
+                                 "(--runner pooling), not generation")
         if args.pooler_config is not None:
             raise ValueError("--pooler-config needs --runner pooling")
         return runner, None, config
@@ -128,8 +135,18 @@ def setup_pooling(args, model_dir: Path, config):
         ("--speculative-method", args.speculative_method is not None),
         ("--async-scheduling", args.async_scheduling),
     ) if on]
+    if classifier:  # the head is vocabulary-parallel under TP; its labels are not a vocabulary
+        refused += [flag for flag, on in (("--tensor-parallel-size > 1", args.tensor_parallel_size > 1),
+                                          ("--pipeline-parallel-size > 1", args.pipeline_parallel_size > 1)) if on]
+        if args.pooler_config is not None:
+            refused.append("--pooler-config (a classifier pools its last token)")
     if refused:
-        raise ValueError(f"--runner pooling (embeddings) does not combine with {', '.join(refused)}")
+        raise ValueError(f"--runner pooling ({'classification' if classifier else 'embeddings'}) does not combine "
+                         f"with {', '.join(refused)}")
+    if classifier:  # its head takes the LM head's place: the decoder computes the label logits
+        from kvrelay.engine.architectures.classify import labels
+
+        return runner, PoolerConfig(normalize=False, task="classify", labels=labels(raw)), config
     pooler = read_pooler_config(model_dir, raw, args.pooler_config)
     # A pooling model never runs its LM head: tied, its weights are not read (a bare decoder has none).
     return runner, pooler, replace_config(config, tie_word_embeddings=True)

@@ -35,6 +35,10 @@ def check_pooling_request(params, pooler, hidden_size: int) -> None:
     if p is None:
         raise InvalidRequestError("this model serves embeddings (--runner pooling): use /v1/embeddings", field="model")
     p.validate(hidden_size)
+    if pooler.task == "classify" and (p.dimensions is not None or p.normalize is not None):
+        field = "dimensions" if p.dimensions is not None else "normalize"
+        raise InvalidRequestError(f"{field}: not for a classification model (it answers label probabilities)",
+                                  field=field)
     if params.prompt_logprobs is not None or params.n != 1:
         field = "n" if params.n != 1 else "prompt_logprobs"
         raise InvalidRequestError(f"{field}: not available for embeddings", field=field)
