@@ -99,6 +99,11 @@ class Tokenizer:
         post-processor adds are special)."""
         return self._plain.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Two user texts as one input, joined by the tokenizer's pair template (a cross-encoder's
+        query and document), special-token text kept as text."""
+        return self._plain.encode_batch([(text, pair)])[0].ids
+
     def has_special_text(self, text: str) -> bool:
         return self._special_text is not None and self._special_text.search(text) is not None
 

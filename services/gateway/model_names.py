@@ -29,7 +29,7 @@ def check_model(backend, model: str, tenant: Tenant) -> None:
 
 SERVES = {"generate": "generates text (completions, chat, responses)",
           "embed": "is an embedding model (/v1/embeddings, /score, /rerank)",
-          "classify": "is a classification model (/classify)"}
+          "classify": "is a classification model (/classify; with one label also /score and /rerank)"}
 
 
 def check_runner(backend, model: str, wanted: str) -> None:

@@ -47,11 +47,51 @@ def test_classify_answers_label_probabilities(classifier):
 
 def test_a_classifier_refuses_other_endpoints_by_name(classifier, open_gateway):
     gw, _ = classifier
-    for path, body in (("/v1/embeddings", {"input": "Hi"}), ("/v1/completions", {"prompt": "Hi"}),
-                       ("/v1/rerank", {"query": "a", "documents": ["b"]})):
+    for path, body in (("/v1/embeddings", {"input": "Hi"}), ("/v1/completions", {"prompt": "Hi"})):
         out = httpx.post(gw.url + path, json={"model": "tiny-cls", **body}, timeout=60)
-        assert out.status_code == 400 and "is a classification model (/classify)" in out.json()["error"]["message"]
+        assert out.status_code == 400 and "is a classification model (/classify" in out.json()["error"]["message"]
     out = httpx.post(open_gateway.url + "/classify", json={"model": "stories260K", "input": "Hi"}, timeout=60)
     assert out.status_code == 400 and "generates text" in out.json()["error"]["message"]
     bad = httpx.post(gw.url + "/classify", json={"model": "tiny-cls", "input": []}, timeout=60)
     assert bad.status_code == 400
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    path = save_classifier(tmp_path_factory.mktemp("rr") / "tiny-rerank", "llama", 1)
+    gw = InProcessGateway(engine_kwargs={"model": str(path), "max_num_batched_tokens": 16})
+    yield gw, path
+    gw.stop()
+
+
+def _hf_pair_scores(path, pairs: list[tuple[str, str]]) -> list[float]:
+    """transformers' cross-encoder: the tokenizer's pair encoding, the one logit's sigmoid."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    ids = [tok(a, b)["input_ids"] for a, b in pairs]
+    return [float(p[0]) for p in hf_class_probs(path, ids)]
+
+
+def test_a_one_label_classifier_scores_and_reranks_pairs(reranker):
+    gw, path = reranker
+    query, docs = PROMPTS[0], PROMPTS[1:5]
+    want = _hf_pair_scores(path, [(query, d) for d in docs])
+    score = httpx.post(gw.url + "/v1/score", json={"model": "tiny-rerank", "text_1": query, "text_2": docs},
+                       timeout=60).json()
+    assert [d["score"] for d in score["data"]] == pytest.approx(want, abs=1e-5)
+    pairwise = httpx.post(gw.url + "/score", json={"model": "tiny-rerank", "text_1": docs[:2], "text_2": docs[2:]},
+                          timeout=60).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx(
+        _hf_pair_scores(path, [(docs[0], docs[2]), (docs[1], docs[3])]), abs=1e-5)
+    ranked = httpx.post(gw.url + "/rerank", json={"model": "tiny-rerank", "query": query, "documents": docs,
+                                                  "top_n": 2}, timeout=60).json()["results"]
+    best = sorted(range(len(docs)), key=lambda k: -want[k])[:2]
+    assert [r["index"] for r in ranked] == best
+    assert [r["relevance_score"] for r in ranked] == pytest.approx([want[k] for k in best], abs=1e-5)
+
+
+def test_a_many_label_classifier_does_not_score_pairs(classifier):
+    gw, _ = classifier
+    out = httpx.post(gw.url + "/v1/score", json={"model": "tiny-cls", "text_1": "a", "text_2": "b"}, timeout=60)
+    assert out.status_code == 400 and "classifies into 3 labels" in out.json()["error"]["message"]
