@@ -194,3 +194,27 @@ def test_sequence_classifier_answers_label_probabilities(tmp_path, arch, num_lab
         make_engine(path, runner="generate")
     with pytest.raises(ValueError, match="does not combine with --tensor-parallel-size > 1"):
         make_engine(path, tensor_parallel_size=2)
+
+
+def test_lora_adapters_embed_like_peft(tmp_path):
+    """An adapter named by the request changes the vectors exactly as PEFT's unmerged adapter does
+    (its model's last hidden state is after the final norm, as the pooler's)."""
+    from lora_adapters import _peft_model, two_adapters
+
+    adapters = two_adapters(tmp_path, BUNDLED_MODEL)
+    engine = make_engine(BUNDLED_MODEL, runner="pooling", lora_modules=[f"{k}={v}" for k, v in adapters.items()],
+                         max_num_batched_tokens=16)
+    ids = [engine.tokenizer.encode_prompt(p) for p in PROMPTS[:3]]
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add_request(p, SamplingParams(pooling=PoolingParams(), lora="full"), f"full{i}")
+        engine.add_request(p, SamplingParams(pooling=PoolingParams()), f"base{i}")
+    done = {}
+    while engine.has_work():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    peft = _peft_model(str(BUNDLED_MODEL), adapters["full"])
+    with torch.no_grad():
+        want = [torch.nn.functional.normalize(peft(torch.tensor([x]), output_hidden_states=True).hidden_states[-1][0, -1],
+                                              dim=-1) for x in ids]
+    assert_close([done[f"full{i}"] for i in range(3)], want)
+    assert_close([done[f"base{i}"] for i in range(3)], hf_vectors(BUNDLED_MODEL, ids, "LAST"))
+    assert max(abs(a - b) for a, b in zip(done["full0"].embedding, done["base0"].embedding)) > 1e-3
