@@ -405,3 +405,26 @@ def test_plot_and_compare(kvrelay_server, tmp_path, capsys):
     assert r["TTFT p99 (ms)"] == pytest.approx(
         b["runs"][0]["summary"]["ttft_s"]["p99"] / a["runs"][0]["summary"]["ttft_s"]["p99"]
     )
+
+
+def test_embeddings_endpoint_against_an_embedding_server(own_tmp, tmp_path):
+    """--endpoint /v1/embeddings: each request's latency stands for its TTFT, no output tokens, and
+    the prompt tokens equal the client's tokenizer count and the server's counter."""
+    from gateway_helpers import GatewayProcess
+
+    server = GatewayProcess(["--runner", "pooling"], own_tmp / "embed.log")
+    try:
+        out = tmp_path / "e.json"
+        rc = bench("serve", "--base-url", server.url, "--endpoint", "/v1/embeddings", "--no-progress",
+                   "--result-file", str(out), "--dataset", "random", "--num-prompts", "6", "--random-input-len", "12",
+                   "--tokenizer", TOKENIZER)
+        assert rc == 0
+        (run,) = read_json(out)["runs"]
+        reqs, s = run["requests"], run["summary"]
+        assert s["completed"] == 6 and s["failed"] == 0 and s["total_output_tokens"] == 0
+        for r in reqs:
+            assert r["prompt_tokens"] == r["prompt_tokens_client"] and r["ttft"] == r["e2e"] > 0
+        assert run["server"]["counter_deltas"]["prompt_tokens"] == s["total_input_tokens"]
+        assert run["server"]["counter_deltas"]["requests_finished"] == 6
+    finally:
+        server.stop()

@@ -47,6 +47,11 @@ class ClientConfig:
         return self.endpoint.rstrip("/").endswith("chat/completions")
 
     @property
+    def embeddings(self) -> bool:
+        """/v1/embeddings: one JSON answer per request, its latency standing for TTFT (as vLLM's bench)."""
+        return self.endpoint.rstrip("/").endswith("embeddings")
+
+    @property
     def url(self) -> str:
         return self.base_url.rstrip("/") + "/" + self.endpoint.lstrip("/")
 
@@ -110,6 +115,8 @@ def build_body(
     cfg: ClientConfig, prompt: str | None, messages: list[dict] | None, max_tokens: int | None,
     model: str | None = None,
 ) -> dict:
+    if cfg.embeddings:
+        return {"model": model or cfg.model, "input": prompt, "encoding_format": "float"}
     body: dict = {
         "model": model or cfg.model,
         "stream": True,
@@ -152,6 +159,12 @@ async def _attempt(
                 detail = (await resp.read())[:300].decode(errors="replace")
                 r.error, r.error_detail = f"http_{resp.status}", detail
                 return resp if resp.status == 429 else None
+            if cfg.embeddings:
+                usage = (await resp.json()).get("usage") or {}
+                r.prompt_tokens, r.output_tokens = usage.get("prompt_tokens"), 0
+                r.usage_reported, r.ttft = True, time.perf_counter() - t0
+                r.e2e = r.ttft
+                return None
             done = False
             async for raw in resp.content:
                 if not raw.startswith(b"data:"):

@@ -85,7 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--endpoint",
         default=None,
-        help="/v1/completions (default) or /v1/chat/completions (default for --dataset conversation)",
+        help="/v1/completions (default), /v1/chat/completions (default for --dataset conversation) or "
+        "/v1/embeddings (an embedding model: latency is reported as TTFT)",
     )
     s.add_argument(
         "--ignore-eos",
@@ -257,6 +258,9 @@ async def bench_serve(args: argparse.Namespace, console: Console) -> int:
     endpoint = args.endpoint or (
         "/v1/chat/completions" if args.dataset == "conversation" else "/v1/completions"
     )
+    if endpoint.rstrip("/").endswith("embeddings") and args.dataset == "conversation":
+        raise SystemExit("kvrelay bench serve: --endpoint /v1/embeddings sends prompts; the conversation dataset "
+                         "is chat turns")
     client = ClientConfig(
         base_url=args.base_url,
         model=model,
