@@ -4,7 +4,6 @@ each input's label probabilities and the likeliest label, as one pooling request
 from __future__ import annotations
 
 from kvrelay.engine.pooling.params import PoolingParams
-from kvrelay.gateway import errors
 from kvrelay.gateway.embeddings import EmbeddingsResponse, pooled_request, prepare_pooled
 from kvrelay.gateway.gateway import INLINE_PROMPT_CHARS, Gateway, Prepared
 from kvrelay.gateway.schemas import ClassifyRequest
@@ -19,8 +18,6 @@ async def prepare_classify(gw: Gateway, body: ClassifyRequest, tenant: Tenant) -
 
 
 def _prepare(gw: Gateway, body: ClassifyRequest, tenant: Tenant) -> Prepared:
-    if body.user is not None:
-        errors.check_text(body.user, "user")
     return pooled_request(gw, body, tenant, gw.encode_prompts(body.input, "input"), "classify", "input",
                           PoolingParams())
 

@@ -42,8 +42,6 @@ async def prepare_pooled(gw: Gateway, body, tenant: Tenant, texts: list[str], fi
 
 
 def _prepare(gw: Gateway, body: EmbeddingRequest, tenant: Tenant) -> Prepared:
-    if body.user is not None:
-        errors.check_text(body.user, "user")
     prompts = gw.encode_prompts(body.input, "input")
     return pooled_request(gw, body, tenant, prompts, "embedding", "input", PoolingParams(body.dimensions, body.normalize))
 
@@ -52,6 +50,8 @@ def pooled_request(gw: Gateway, body, tenant: Tenant, prompts: list[list[int]], 
                    pooling: PoolingParams) -> Prepared:
     """A Prepared request that pools each prompt (truncated by the body's truncate_prompt_tokens),
     each checked against the vocabulary and the context."""
+    if body.user is not None:
+        errors.check_text(body.user, "user")
     prompts = gw._truncate(prompts, body)
     vocab = gw.backend.tokenizer.vocab_size
     if any(t >= vocab for p in prompts for t in p):

@@ -65,8 +65,6 @@ async def prepare_scoring(gw: Gateway, body: ScoreRequest | RerankRequest, tenan
 
 
 def _prepare(gw: Gateway, body: ScoreRequest | RerankRequest, tenant: Tenant) -> Prepared:
-    if body.user is not None:
-        errors.check_text(body.user, "user")
     kind, field_name = ("score", "text_2") if isinstance(body, ScoreRequest) else ("rerank", "documents")
     if _cross_encoder(gw):
         labels = gw.backend.pooler.labels
