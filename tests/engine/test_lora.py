@@ -14,7 +14,7 @@ from helpers import PROMPTS, hf_greedy, make_engine, run_engine
 from kvrelay.engine.errors import InvalidRequestError, ModelLoadError
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer.convert import params_from_proto, params_to_proto
-from lora_adapters import peft_greedy, two_adapters
+from lora_adapters import peft_greedy, save_adapter, two_adapters
 from safetensors.torch import load_file, save_file
 
 from kvrelay.models import BUNDLED_MODEL
@@ -52,6 +52,19 @@ def test_each_request_equals_peft_with_its_adapter_in_one_mixed_batch(engine, ad
     assert got == expected
     changed = [i for i in range(len(PROMPTS)) for lora in ("attn", "full") if got[f"{i}-{lora}"] != got[f"{i}-None"]]
     assert len(changed) >= len(PROMPTS)  # the adapters do change the output
+
+
+def test_an_adapter_on_some_parts_of_a_fused_projection(tmp_path):
+    """PEFT's default for Llama, q_proj and v_proj only: k's rows of the fused qkv get no delta, and
+    gate_up alone without down (each part's B multiplies only its own rows)."""
+    qv = save_adapter(BUNDLED_MODEL, tmp_path / "qv", ("q_proj", "v_proj", "up_proj"), r=4, alpha=8, seed=3,
+                      scale=0.5)
+    engine = make_engine(BUNDLED_MODEL, lora_modules=[f"qv={qv}"], max_num_batched_tokens=48)
+    requests = {f"{i}-{lora}": (p, _greedy(lora)) for i, p in enumerate(PROMPTS[:4]) for lora in (None, "qv")}
+    got = run_engine(engine, requests)
+    for i, prompt in enumerate(PROMPTS[:4]):
+        assert got[f"{i}-qv"] == peft_greedy(BUNDLED_MODEL, str(qv), engine.tokenizer.encode(prompt), N)
+    assert any(got[f"{i}-qv"] != got[f"{i}-None"] for i in range(4))
 
 
 def test_an_adapter_keeps_a_prefix_cache_of_its_own(engine):
