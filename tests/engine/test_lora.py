@@ -55,8 +55,8 @@ def test_each_request_equals_peft_with_its_adapter_in_one_mixed_batch(engine, ad
 
 
 def test_an_adapter_on_some_parts_of_a_fused_projection(tmp_path):
-    """PEFT's default for Llama, q_proj and v_proj only: k's rows of the fused qkv get no delta, and
-    gate_up alone without down (each part's B multiplies only its own rows)."""
+    """PEFT's default for Llama, q_proj and v_proj only: k's rows of the fused qkv get no delta; and
+    up_proj without gate_proj or down_proj."""
     qv = save_adapter(BUNDLED_MODEL, tmp_path / "qv", ("q_proj", "v_proj", "up_proj"), r=4, alpha=8, seed=3,
                       scale=0.5)
     engine = make_engine(BUNDLED_MODEL, lora_modules=[f"qv={qv}"], max_num_batched_tokens=48)

@@ -1,11 +1,11 @@
 """Every loaded adapter's weights, stacked per fused projection, and the per-step delta.
 
 Each fused projection an adapter targets (qkv, o_proj, gate_up, down) gets A [adapters, parts x R,
-in], R the largest rank, and per part a B [adapters, its output rows, R]: part p of a fused
-projection (q, k or v; gate or up) owns rank columns p*R .. p*R + r of A. So one matmul with A per
-adapter in the step serves every part, and each part's B multiplies only its own rows (S-LoRA's
-layout, without the gather kernels: a step's rows are grouped by adapter instead, which is exact
-and suits few adapters per step).
+in] and B [adapters, out, parts x R], R the largest rank: part p of a fused projection (q, k or v;
+gate or up) owns rank columns p*R .. p*R + r and its rows of the output, zeros elsewhere. So one
+pair of matmuls per adapter in the step adds the deltas of all its parts (S-LoRA's layout, without
+the gather kernels: a step's rows are grouped by adapter instead, which is exact and suits few
+adapters per step).
 """
 
 from __future__ import annotations
@@ -36,29 +36,19 @@ def _layout(config: ModelConfig) -> dict[str, tuple[int, dict[str, tuple[int, in
 class LoRALinear:
     """The stacked adapters of one fused projection; used[k]: adapter k targets it."""
 
-    a: torch.Tensor  # [adapters, blocks x R, in]
-    # Per rank block: (first output row, end output row, B's [adapters, rows, R]). Separate blocks of
-    # a fused projection (q, k, v; gate, up) multiply only their own rows: a third (a half) of one
-    # block-diagonal B's work.
-    b_blocks: list[tuple[int, int, torch.Tensor]]
+    a: torch.Tensor  # [adapters, parts x R, in]
+    b: torch.Tensor  # [adapters, out, parts x R]
     used: list[bool]
 
     def add(self, x: torch.Tensor, out: torch.Tensor, plan: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor:
         """out += each planned adapter's delta on its rows (rows None: every row)."""
-        rank = self.a.shape[1] // len(self.b_blocks)
         for k, rows in plan:
             if not self.used[k]:
                 continue
-            xa = (x if rows is None else x.index_select(0, rows)) @ self.a[k].T
-            for j, (lo, hi, b) in enumerate(self.b_blocks):
-                if b is None:  # no adapter targets this part (say k_proj)
-                    continue
-                part = (xa if len(self.b_blocks) == 1 else xa[:, j * rank : (j + 1) * rank]) @ b[k].T
-                target = out if lo == 0 and hi == out.shape[1] else out[:, lo:hi]
-                if rows is None:
-                    target += part
-                else:
-                    target.index_add_(0, rows, part)
+            if rows is None:
+                out += (x @ self.a[k].T) @ self.b[k].T
+            else:
+                out.index_add_(0, rows, (x.index_select(0, rows) @ self.a[k].T) @ self.b[k].T)
         return out
 
 
@@ -108,28 +98,22 @@ class LoRASet:
                                      f"layer does not have (a mixture-of-experts layer): adapters may target "
                                      f"attention only there")
             in_dim, parts = layout[fused]
-            targeted = [(k, parts[MODULES[module][1]], m) for k, adapter in enumerate(adapters)
-                        for (li, module), m in (adapter.modules.items() if adapter else ())
-                        if li == layer and MODULES[module][0] == fused]
-            # Each rank block's output rows: those of the parts the adapters target (Phi-3's fused
-            # checkpoints target one block spanning every row).
-            spans = {}
-            for _, (block, lo, hi), _ in targeted:
-                old_lo, old_hi = spans.get(block, (lo, hi))
-                spans[block] = (min(lo, old_lo), max(hi, old_hi))
             blocks = 1 + max(p[0] for p in parts.values())
+            out_dim = max(p[2] for p in parts.values())
             a_stack = torch.zeros(len(adapters), blocks * rank, in_dim, dtype=dtype)
-            b_stacks = {j: torch.zeros(len(adapters), hi - lo, rank, dtype=dtype) for j, (lo, hi) in spans.items()}
+            b_stack = torch.zeros(len(adapters), out_dim, blocks * rank, dtype=dtype)
             used = [False] * len(adapters)
-            for k, (block, lo, hi), m in targeted:
-                r = m.a.shape[0]
-                a_stack[k, block * rank : block * rank + r] = m.a
-                start = spans[block][0]
-                b_stacks[block][k, lo - start : hi - start, :r] = m.b
-                used[k] = True
+            for k, adapter in enumerate(adapters):
+                for (li, module), m in (adapter.modules.items() if adapter else ()):
+                    if li != layer or MODULES[module][0] != fused:
+                        continue
+                    block, lo, hi = parts[MODULES[module][1]]
+                    r = m.a.shape[0]
+                    a_stack[k, block * rank : block * rank + r] = m.a
+                    b_stack[k, lo:hi, block * rank : block * rank + r] = m.b
+                    used[k] = True
             device = weights.embed.device
-            b_blocks = [(*spans[j], b_stacks[j].to(device)) if j in spans else (0, 0, None) for j in range(blocks)]
-            stacks[(layer, fused)] = LoRALinear(a_stack.to(device), b_blocks, used)
+            stacks[(layer, fused)] = LoRALinear(a_stack.to(device), b_stack.to(device), used)
         return stacks
 
 
