@@ -2,6 +2,7 @@
 adapter, and of requests spread over several adapters and the base model in the same batches.
 
     .venv/bin/python benchmarks/lora.py [--requests 32] [--adapters 4] [--rank 16] [--rounds 2]
+    .venv/bin/python benchmarks/lora.py --delta   # the delta of one projection alone, per layout
 
 A ~30M-parameter Llama (random weights, fp32) and random rank-r adapters on every projection
 (q, k, v, o, gate, up, down), written as PEFT saves them. Each case runs in the same process, in
@@ -15,6 +16,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -64,12 +66,60 @@ def run(engine, reqs, loras: list[str | None]) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def _median_s(fn, *args, rounds: int = 200) -> float:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _per_part_delta(x, a, parts, out):
+    """The alternative layout: each part's B multiplies only its rows (lo, hi, B [rows, R], rank columns)."""
+    xa = x @ a.T
+    for lo, hi, b, cols in parts:
+        out[:, lo:hi] += xa[:, cols] @ b.T
+    return out
+
+
+def time_delta(engine) -> None:
+    """One adapter's delta on layer 0's qkv and gate_up, for 32 and 256 rows: the engine's stack
+    (stacked.py: one block-diagonal B over every part) against each part's B multiplying only its
+    rows, built from the same weights here; and the base projection's matmul for scale. Medians of
+    200 calls. (docs/benchmarks.md: per-part is faster only for qkv at 256 rows.)"""
+    import torch
+    import torch.nn.functional as F
+
+    layer = engine.model.w.layers[0]
+    print(f"{'projection':<10} {'rows':>5} {'base matmul':>12} {'block-diag B':>13} {'per-part B':>11} {'part/diag':>9}")
+    for name, bounds in (("qkv", ("q_size", "kv_size", "kv_size")), ("gate_up", ("intermediate_size",) * 2)):
+        lin = getattr(layer, name)
+        stack, config = lin.lora, engine.config
+        rank = stack.a.shape[1] // len(bounds)
+        parts, lo = [], 0
+        for j, field in enumerate(bounds):
+            hi = lo + getattr(config, field)
+            cols = slice(j * rank, (j + 1) * rank)
+            parts.append((lo, hi, stack.b[0, lo:hi, cols].contiguous(), cols))
+            lo = hi
+        for rows in (32, 256):
+            x = torch.randn(rows, stack.a.shape[2])
+            out = F.linear(x, lin.weight)
+            base = _median_s(F.linear, x, lin.weight)
+            diag = _median_s(stack.add, x, out, [(0, None)])
+            split = _median_s(_per_part_delta, x, stack.a[0], parts, out)
+            print(f"{name:<10} {rows:>5} {base * 1e6:>10.0f}us {diag * 1e6:>11.0f}us {split * 1e6:>9.0f}us "
+                  f"{split / diag:>5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--delta", action="store_true", help="time one projection's delta per layout instead")
     args = parser.parse_args()
 
     from kvrelay.engine.engine_args import EngineArgs
@@ -81,6 +131,9 @@ def main() -> None:
     modules = [f"{n}={write_adapter(root / n, LLAMA_30M, args.rank, k)}" for k, n in enumerate(names)]
     engine = LLMEngine(EngineArgs(model=str(model_dir), load_format="dummy", kv_cache_memory=2**30,
                                   enable_prefix_caching=False, lora_modules=modules, max_lora_rank=args.rank))
+    if args.delta:
+        time_delta(engine)
+        return
     reqs = workload(args.requests, (32, 256), (32, 64), LLAMA_30M["vocab_size"], seed=1)
     cases = {"base model": [None], "one adapter": [names[0]],
              f"{args.adapters} adapters + base, mixed": [None, *names]}
