@@ -116,6 +116,9 @@ class HandoffMixin:
         if not self.pool.enable_prefix_caching:
             return 0
         bs, cached = self.args.block_size, self.pool.cached
+        adapters = getattr(self.model, "adapters", None)
+        if lora is not None and adapters is not None and lora in adapters.index:  # the key make_request salts by
+            lora = adapters.cache_keys[adapters.index[lora]]
         parent, n = cache_root(cache_salt, lora), 0
         for start in range(0, len(prompt_ids) - bs + 1, bs):  # hashed only up to the first miss
             parent = hash_block(parent, prompt_ids[start:start + bs])

@@ -49,6 +49,8 @@ def test_load_serve_unload_and_reload_under_the_same_name(folders):
     assert [t for o in outs for t in o.new_token_ids] == peft_greedy(BUNDLED_MODEL, folders["full"], ids, N)
     assert outs[-1].num_cached_tokens == 0
     assert engine.model.adapters.names == ["x"]  # the free slot was reused
+    # A decode worker's probe of the cache salts as the request did (by the load's key, x@N).
+    assert engine.probe_cached_blocks(ids, None, "x") == len(ids) // engine.args.block_size
     assert run_engine(engine, {"4": (PROMPT, _greedy(None))})["4"] != run_engine(engine, {"5": (PROMPT, _greedy("x"))})["5"]
 
 
