@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvrelay.gateway.serve",
         "OpenAI-compatible server: gateway + in-process engine, bundled model",
     ),
+    "run-batch": ("kvrelay.gateway.run_batch", "answer a file of OpenAI batch requests offline (vLLM's run-batch)"),
     "gateway": ("kvrelay.gateway.cluster", "cluster gateway in front of prefill/decode workers"),
     "prefill": ("kvrelay.prefill.cli", "prefill worker: computes prompts' KV cache and hands it to decode workers"),
     "decode": ("kvrelay.decode.cli", "decode worker: pulls prefilled KV blocks over gRPC and generates tokens"),
@@ -31,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 # Every process that serves or generates loads the installed plugins at start (kvrelay.plugins).
-PLUGIN_COMMANDS = ("generate", "serve", "gateway", "prefill", "decode")
+PLUGIN_COMMANDS = ("generate", "serve", "run-batch", "gateway", "prefill", "decode")
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> None:
