@@ -31,7 +31,6 @@ class AsyncEngine:
         self.engine = engine or LLMEngine(args or EngineArgs())
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
-        self.runner_type = self.engine.runner_type  # "generate" or "pooling" (embeddings)
         self.pooler = self.engine.pooler  # pooling: kvrelay.engine.pooling.config.PoolerConfig
         self.tokenizer = self.engine.tokenizer
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()

@@ -85,8 +85,8 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         if not model_dir.is_dir():
             raise ModelLoadError(f"{model_dir}: model folder not found")
         self.config = load_model_config(model_dir)
-        # "generate", or "pooling" with self.pooler: an embedding model (kvrelay.engine.pooling)
-        self.runner_type, self.pooler, self.config = setup_pooling(args, model_dir, self.config)
+        # An embedding or classification model's pooler (kvrelay.engine.pooling); None: it generates.
+        self.pooler, self.config = setup_pooling(args, model_dir, self.config)
         self.model_name = args.served_model_name or model_dir.name
         self.tokenizer = Tokenizer(model_dir)
         self.generation_config = _read_generation_config(model_dir)
@@ -231,6 +231,10 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
             "max_model_len %d", self.model_name, cfg.architecture, dtype_name, self.device, self.ops.backend,
             num_blocks, bs, num_blocks * bytes_per_block / 2**20, self.max_model_len,
         )
+
+    @property
+    def runner_type(self) -> str:
+        return "generate" if self.pooler is None else "pooling"
 
     # ---- requests -----------------------------------------------------------------------------
 

@@ -134,11 +134,6 @@ class LocalBackend:
         return self.engine.max_model_len
 
     @property
-    def runner_type(self) -> str:
-        """"generate", or "pooling": the engine serves embeddings only (kvrelay.engine.pooling)."""
-        return self.engine.runner_type
-
-    @property
     def pooler(self):
         """A pooling engine's PoolerConfig (task embed or classify, the labels); None when it generates."""
         return self.engine.pooler

@@ -4,17 +4,14 @@ each input's label probabilities and the likeliest label, as one pooling request
 from __future__ import annotations
 
 from kvrelay.engine.pooling.params import PoolingParams
-from kvrelay.gateway.embeddings import EmbeddingsResponse, pooled_request, prepare_pooled
-from kvrelay.gateway.gateway import INLINE_PROMPT_CHARS, Gateway, Prepared
+from kvrelay.gateway.embeddings import EmbeddingsResponse, pooled_request, prepare_inputs
+from kvrelay.gateway.gateway import Gateway, Prepared
 from kvrelay.gateway.schemas import ClassifyRequest
 from kvrelay.gateway.tenants import Tenant
 
 
 async def prepare_classify(gw: Gateway, body: ClassifyRequest, tenant: Tenant) -> Prepared:
-    raw = body.input
-    texts = [raw] if isinstance(raw, str) else [x for x in raw if isinstance(x, str)]
-    inline = isinstance(raw, str) and len(raw) <= INLINE_PROMPT_CHARS
-    return await prepare_pooled(gw, body, tenant, texts, "input", inline, _prepare, task="classify")
+    return await prepare_inputs(gw, body, tenant, _prepare, "classify")
 
 
 def _prepare(gw: Gateway, body: ClassifyRequest, tenant: Tenant) -> Prepared:
@@ -28,8 +25,7 @@ class ClassifyResponse(EmbeddingsResponse):
         data = []
         for i, probs in enumerate(self.all_vectors()):
             best = max(range(len(probs)), key=probs.__getitem__)
-            data.append({"index": i, "label": names[best] if best < len(names) else f"LABEL_{best}", "probs": probs,
-                         "num_classes": len(probs)})
+            data.append({"index": i, "label": names[best], "probs": probs, "num_classes": len(probs)})
         tokens = self._prompt_tokens
         return {"id": p.request_id, "object": "list", "created": p.created, "model": p.model, "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}

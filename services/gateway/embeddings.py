@@ -24,10 +24,15 @@ from kvrelay.gateway.tenants import Tenant
 
 
 async def prepare_embedding(gw: Gateway, body: EmbeddingRequest, tenant: Tenant) -> Prepared:
+    return await prepare_inputs(gw, body, tenant, _prepare, "embed")
+
+
+async def prepare_inputs(gw: Gateway, body, tenant: Tenant, prepare, task: str) -> Prepared:
+    """prepare_pooled for a body whose `input` is OpenAI's prompt forms (embeddings, classify)."""
     raw = body.input
     texts = [raw] if isinstance(raw, str) else [x for x in raw if isinstance(x, str)]
     inline = isinstance(raw, str) and len(raw) <= INLINE_PROMPT_CHARS
-    return await prepare_pooled(gw, body, tenant, texts, "input", inline, _prepare)
+    return await prepare_pooled(gw, body, tenant, texts, "input", inline, prepare, task)
 
 
 async def prepare_pooled(gw: Gateway, body, tenant: Tenant, texts: list[str], field_name: str, inline: bool,

@@ -245,7 +245,7 @@ async def serve_forever(worker_cls, args: argparse.Namespace) -> int:
     options = options_from_cli(args)
     try:
         engine = make_engine(EngineArgs.from_cli(args), options)
-        if getattr(engine, "runner_type", "generate") == "pooling":
+        if engine.pooler is not None:
             raise ValueError("this is an embedding model (--runner pooling): an embedding has no decode phase to hand "
                              "over; serve it with `kvrelay serve`")
         worker = worker_cls(engine, options)

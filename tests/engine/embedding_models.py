@@ -32,39 +32,42 @@ def write_sentence_transformers(path: Path, mode: str = "LAST", normalize: bool 
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **flags}))
 
 
-def save_bare_decoder(path: Path, arch: str, **overrides) -> Path:
-    """A random tiny `<Arch>Model` (no LM head, names without "model."), with the bundled tokenizer."""
+def _tiny_config(arch: str, **overrides):
+    """A tiny random config of arch (llama, qwen2, qwen3) for the bundled tokenizer (vocab 512)."""
     import transformers
 
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                   "qwen3": transformers.Qwen3Config}[arch]
     kwargs = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-              "bos_token_id": 1, "eos_token_id": 2, **({"head_dim": 32} if arch == "qwen3" else {}), **overrides}
-    torch.manual_seed(99)
-    model = transformers.AutoModel.from_config(config_cls(**kwargs), dtype=torch.float32)
+              "bos_token_id": 1, "eos_token_id": 2, **({"head_dim": 32} if arch == "qwen3" else {})}
+    return config_cls(**(kwargs | overrides))
+
+
+def _save(model, path: Path) -> Path:
     model.save_pretrained(path)
     for name in TOKENIZER_FILES:
         shutil.copy(BUNDLED_MODEL / name, path / name)
     return path
+
+
+def save_bare_decoder(path: Path, arch: str, **overrides) -> Path:
+    """A random tiny `<Arch>Model` (no LM head, names without "model."), with the bundled tokenizer."""
+    import transformers
+
+    torch.manual_seed(99)
+    model = transformers.AutoModel.from_config(_tiny_config(arch, **overrides), dtype=torch.float32)
+    return _save(model, path)
 
 
 def save_classifier(path: Path, arch: str, num_labels: int, **overrides) -> Path:
     """A random tiny `<Arch>ForSequenceClassification` (a `score` head, no LM head), bundled tokenizer."""
     import transformers
 
-    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "qwen3": transformers.Qwen3Config}[arch]
-    kwargs = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-              "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None, "num_labels": num_labels,
-              **({"head_dim": 32} if arch == "qwen3" else {}), **overrides}
     torch.manual_seed(7)
-    model = transformers.AutoModelForSequenceClassification.from_config(config_cls(**kwargs), dtype=torch.float32)
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(BUNDLED_MODEL / name, path / name)
-    return path
+    config = _tiny_config(arch, pad_token_id=None, num_labels=num_labels, **overrides)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    return _save(model, path)
 
 
 def hf_class_probs(model_dir: Path | str, prompts: list[list[int]]) -> list[torch.Tensor]:

@@ -83,7 +83,6 @@ class EngineCoreClient:
         self.tokenizer = Tokenizer(Path(process.args.model))
         self.model_name = process.args.served_model_name or Path(process.args.model).name
         self.max_model_len = 0
-        self.runner_type = "generate"
         self.pooler = None
         self._info: EngineInfo | None = None
         self._stats: EngineStats | None = None
@@ -115,7 +114,7 @@ class EngineCoreClient:
         info = await self._ready
         self._info = info
         self.model_name, self.max_model_len = info.model_name, info.max_model_len
-        self.runner_type, self.pooler = info.runner_type, info.pooler
+        self.pooler = info.pooler
         threading.Thread(target=self._watch, args=(asyncio.get_running_loop(),), daemon=True).start()
 
     @property

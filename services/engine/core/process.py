@@ -49,8 +49,7 @@ class EngineCoreServer:
     async def run(self) -> int:
         await self.engine.start()
         e = self.engine
-        info = EngineInfo(e.model_name, e.max_model_len, e.default_sampling_params(), os.getpid(), e.runner_type,
-                          e.pooler)
+        info = EngineInfo(e.model_name, e.max_model_len, e.default_sampling_params(), os.getpid(), e.pooler)
         self.outbox.send(encode(("ready", info)))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -39,8 +39,7 @@ class EngineInfo:
     max_model_len: int
     default_sampling_params: SamplingParams
     pid: int
-    runner_type: str = "generate"  # or "pooling": an embedding model (kvrelay.engine.pooling)
-    pooler: Any = None  # pooling: its PoolerConfig (embed or classify, the labels)
+    pooler: Any = None  # an embedding or classification model's PoolerConfig; None: it generates
 
 
 @dataclass(frozen=True)

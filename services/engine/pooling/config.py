@@ -115,7 +115,7 @@ def _from_sentence_transformers(model_dir: Path) -> PoolerConfig | None:
 
 
 def setup_pooling(args, model_dir: Path, config):
-    """(runner type, pooler config or None, model config) for an engine: checks the runner against
+    """(pooler config, or None for a generating engine; model config): checks the runner against
     the architecture and the options a pooling engine cannot serve."""
     from dataclasses import replace as replace_config
 
@@ -130,7 +130,7 @@ def setup_pooling(args, model_dir: Path, config):
                                  "(--runner pooling), not generation")
         if args.pooler_config is not None:
             raise ValueError("--pooler-config needs --runner pooling")
-        return runner, None, config
+        return None, config
     refused = [flag for flag, on in (
         ("--speculative-method", args.speculative_method is not None),
         ("--async-scheduling", args.async_scheduling),
@@ -146,7 +146,7 @@ def setup_pooling(args, model_dir: Path, config):
     if classifier:  # its head takes the LM head's place: the decoder computes the label logits
         from kvrelay.engine.architectures.classify import labels
 
-        return runner, PoolerConfig(normalize=False, task="classify", labels=labels(raw)), config
+        return PoolerConfig(normalize=False, task="classify", labels=labels(raw)), config
     pooler = read_pooler_config(model_dir, raw, args.pooler_config)
     # A pooling model never runs its LM head: tied, its weights are not read (a bare decoder has none).
-    return runner, pooler, replace_config(config, tie_word_embeddings=True)
+    return pooler, replace_config(config, tie_word_embeddings=True)

@@ -50,10 +50,10 @@ def finish_pooled(engine, seqs: list, last_rows: torch.Tensor) -> list[RequestOu
             row = (row if seq.pool_acc is None else seq.pool_acc + row) / seq.prompt_len
         elif cfg.pooling_type == "CLS" and seq.pool_acc is not None:  # None: a one-token prompt
             row = seq.pool_acc
-        params = seq.params.pooling
         if cfg.task == "classify":  # the head's label logits: probabilities
             vectors.append(torch.softmax(row, dim=-1) if row.shape[0] > 1 else torch.sigmoid(row))
             continue
+        params = seq.params.pooling
         if params.dimensions is not None:
             row = row[: params.dimensions]
         if cfg.normalize if params.normalize is None else params.normalize:
