@@ -23,6 +23,7 @@ from kvrelay.engine.lora.stacked import request_counts
 from kvrelay.engine.malloc_tuning import keep_large_buffers_mapped
 from kvrelay.engine.model_config import load_model_config, parse_dtype
 from kvrelay.engine.model_loader import load_model
+from kvrelay.engine.multimodal import load_vision
 from kvrelay.engine.outputs import EngineStats, RequestOutput
 from kvrelay.engine.pooling.config import setup_pooling
 from kvrelay.engine.pooling.pooler import accumulate, finish_pooled, wants_prompt_rows
@@ -104,6 +105,10 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         if backend == "auto" and self.device.type != "cuda":
             backend = cpu_backend()  # Triton kernels need CUDA tensors (the interpreter is for tests)
         self.ops = get_ops(backend)
+        world = args.tensor_parallel_size * args.pipeline_parallel_size
+        self.vision = load_vision(args, model_dir, self.config, self.dtype, self.device,  # images: LLaVA
+                                  parallel=world > 1 or args.distributed_executor_backend == "mp",
+                                  speculative=spec is not None, pooling=self.pooler is not None)
 
         # Sliding-window layers attend to their window in the kernels: the context is not capped at it.
         self.max_model_len = self.config.max_context
@@ -117,7 +122,6 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         # --tensor/pipeline-parallel-size: worker processes hold the model and the KV cache; this
         # process keeps the scheduler and the sampler (kvrelay.engine.parallel.executor).
         self.executor = None
-        world = args.tensor_parallel_size * args.pipeline_parallel_size
         if args.distributed_executor_backend not in (None, "mp", "uni"):
             raise ValueError(f"--distributed-executor-backend must be mp or uni, got "
                              f"{args.distributed_executor_backend!r}")
@@ -173,6 +177,7 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.max_model_len, args.max_num_seqs,
                                   args.max_num_batched_tokens)
         self.runner.sample_on_worker &= self.pooler is None  # a pooling step's rows are vectors: nothing to sample
+        self.runner.vision = self.vision
         if use_graphs:
             self.runner.capture_graphs()
         if args.piecewise_cuda_graphs:

@@ -33,6 +33,10 @@ class StepBatch:
     prefill_fresh_max_len: int = 0
     # LoRA: (adapter index, its rows of T, None for all) per adapter in the step; None: base model only.
     lora: list[tuple[int, torch.Tensor | None]] | None = None
+    # Vision-language models: the rows of T that take image features [rows, hidden] instead of
+    # their placeholder token's embedding (kvrelay.engine.multimodal); None: no image in the step.
+    image_rows: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
 
 
 class DecoderModel:
@@ -107,7 +111,10 @@ class DecoderModel:
     def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Runs the step, writing new K/V into kv_cache; returns fp32 logits [S, vocab]."""
         self.begin_step(batch.slot_mapping)
-        hidden, residual = self.run_layers(batch, kv_cache, self.embed(batch.input_ids), None)
+        hidden = self.embed(batch.input_ids)
+        if batch.image_rows is not None:
+            hidden.index_copy_(0, batch.image_rows, batch.image_embeds.to(hidden.dtype))
+        hidden, residual = self.run_layers(batch, kv_cache, hidden, None)
         logits = self.compute_logits(batch, hidden, residual)
         self.end_step()
         return logits

@@ -16,6 +16,7 @@ from kvrelay.engine.bad_words import BadWords, word_forms
 from kvrelay.engine.block_pool import cache_root
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.errors import InvalidRequestError, PromptTooLongError
+from kvrelay.engine.multimodal.inputs import prompt_images
 from kvrelay.engine.outputs import RequestMetrics
 from kvrelay.engine.pooling.params import check_pooling_request
 from kvrelay.engine.sampler import to_device
@@ -25,7 +26,7 @@ from kvrelay.engine.structured.mask import GrammarState
 
 
 class RequestBuilderMixin:
-    """Needs the engine's config, tokenizer, max_model_len, device, grammars, eos_ids, _next_seq_id."""
+    """Needs the engine's config, tokenizer, max_model_len, device, grammars, eos_ids, _next_seq_id, vision."""
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -74,6 +75,9 @@ class RequestBuilderMixin:
         logits_processors.validate(params.logits_processors)
         check_pooling_request(params, self.pooler, self.config.hidden_size)
         ids = self.tokenize_prompt(prompt)
+        images = prompt_images(self.vision, prompt, ids)
+        if images is not None:  # prompts share cached K/V only with prompts of the same images
+            cache_salt = f"{cache_salt or ''}\x00images:{','.join(prompt.images.hashes)}"
         limit = self.max_model_len
         if params.pooling is not None:  # an embedding: the prompt may fill the context, nothing is generated
             if len(ids) > limit:
@@ -150,6 +154,7 @@ class RequestBuilderMixin:
                     grammar.deep_copy(), self.tokenizer.vocab_size, params.structured.think_tokens,
                     params.structured.thinking),
                 prompt_lps=[None] * (len(ids) - 1) if params.prompt_logprobs is not None and index == 0 else None,
+                images=images,
             )
             self._next_seq_id += 1
             seqs.append(seq)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,6 +78,8 @@ class Sequence:
     pool_acc: torch.Tensor | None = None
     pool_upto: int = 0
     embedding: list[float] | None = None
+    # Vision-language models: the prompt's images (kvrelay.engine.multimodal.inputs.SequenceImages).
+    images: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -112,20 +112,31 @@ class Tokenizer:
         special-token text inside a message's content is encoded as plain text. kwargs: those of
         apply_chat_template, and the template's variables."""
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        if not any(self.has_special_text(m.get("content") or "") for m in messages):
+        if not any(self.has_special_text(t) for m in messages for t in _content_texts(m.get("content"))):
             return self.encode_prompt(text)  # nothing to forge: the common, fast path
-        # Where is each content in the rendering? Render with sentinels in place of the contents; the
-        # sentinels, replaced back, must give exactly the real rendering (a template that rewrites
-        # content, e.g. `| trim`, cannot be mapped and is refused).
-        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        marked = self.apply_chat_template(
-            [m | {"content": marks[i]} if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)],
-            add_generation_prompt, **kwargs)
+        # Where is each content in the rendering? Render with sentinels in place of the contents (each
+        # text part of a list content); the sentinels, replaced back, must give exactly the real
+        # rendering (a template that rewrites content, e.g. `| trim`, cannot be mapped and is refused).
+        contents: list[str] = []
+
+        def mark(t: str) -> str:
+            contents.append(t)
+            return f"\ue000{len(contents) - 1}\ue001"
+
+        marked_messages = []
+        for m in messages:
+            c = m.get("content")
+            if isinstance(c, str):
+                m = m | {"content": mark(c)}
+            elif isinstance(c, list):
+                m = m | {"content": [p | {"text": mark(p["text"])} if p.get("type") == "text" else p for p in c]}
+            marked_messages.append(m)
+        marked = self.apply_chat_template(marked_messages, add_generation_prompt, **kwargs)
         pieces = re.split("(\ue000\\d+\ue001)", marked)
         spans, rebuilt, pos = [], [], 0
         for piece in pieces:
-            if piece in marks:
-                piece = messages[marks.index(piece)].get("content") or ""
+            if re.fullmatch("\ue000\\d+\ue001", piece):
+                piece = contents[int(piece[1:-1])]
                 spans.append((pos, pos + len(piece)))
             rebuilt.append(piece)
             pos += len(piece)
@@ -243,3 +254,12 @@ class PieceTable:
         self.alone[token_id] = self._decode([token_id])
         self.append[token_id] = piece
         return piece
+
+
+def _content_texts(content) -> list[str]:
+    """A chat message's text: its content string, or its list content's text parts."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    return []

@@ -70,7 +70,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return get(config.architecture).expected_shapes(config)
 
 
-def _shard_files(model_dir: Path) -> dict[str, Path]:
+def shard_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> file holding it."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -94,13 +94,24 @@ def _shard_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
+def stored_name_candidates(name: str) -> tuple[str, ...]:
+    """Where a checkpoint may keep the decoder tensor `name` (as the Llama layout names it): as is;
+    without "model." (a bare decoder: LlamaModel, Qwen2Model embedding models); or inside a
+    vision-language model (LlavaForConditionalGeneration) as "language_model.<name>" (the layout
+    transformers saves) or "model.language_model.<rest>" (the layout it runs)."""
+    rest = name[len("model."):] if name.startswith("model.") else None
+    out = [name]
+    if rest is not None:
+        out += [rest, "model.language_model." + rest]
+    out.append("language_model." + name)
+    return tuple(out)
+
+
 def checkpoint_files(model_dir: Path, names) -> tuple[dict[str, Path], dict[str, str]]:
-    """(name -> file holding it, name -> the name stored there) for the names an architecture reads:
-    a bare decoder's checkpoint (LlamaModel, Qwen2Model: embedding models) stores them without the
-    "model." prefix. Names found nowhere are left out."""
-    files = _shard_files(model_dir)
-    cut = len("model.")
-    stored = {n: n[cut:] if n not in files and n.startswith("model.") and n[cut:] in files else n for n in names}
+    """(name -> file holding it, name -> the name stored there) for the names an architecture reads
+    (stored_name_candidates: the first found wins). Names found nowhere are left out."""
+    files = shard_files(model_dir)
+    stored = {n: next((c for c in stored_name_candidates(n) if c in files), n) for n in names}
     return {n: files[s] for n, s in stored.items() if s in files}, stored
 
 

@@ -100,6 +100,7 @@ class LocalBackend:
             hang = os.environ.get(HANG_AFTER_STEPS_ENV)
             install_hang_hook(self.engine, int(hang) if hang else None)
         await self.engine.start()
+        await asyncio.to_thread(lambda: self.images)  # a vision model's image processor, off the event loop
         if self.process is None:
             from kvrelay.kvtransfer.watchdog import Watchdog
 
@@ -141,6 +142,13 @@ class LocalBackend:
     @property
     def model_aliases(self) -> tuple[str, ...]:
         return tuple(getattr(self.engine_args, "served_model_aliases", ()))
+
+    @functools.cached_property
+    def images(self):
+        """A vision-language model's ImageProcessor (kvrelay.gateway.images); None for a text-only model."""
+        from kvrelay.gateway.images import ImageProcessor
+
+        return ImageProcessor.for_model(Path(self.engine_args.model))
 
     @functools.cached_property
     def lora_modules(self) -> dict[str, Path]:

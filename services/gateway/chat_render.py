@@ -36,12 +36,36 @@ class ChatTemplateFields(BaseModel):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
-def template_messages(messages) -> list[dict]:
-    """The request's messages (schemas.ChatMessage) as the chat template reads them."""
+def message_texts(messages) -> list[str]:
+    """The text of the request's messages (schemas.ChatMessage): contents and text parts."""
+    return [t for m in messages
+            for t in ([m.content] if isinstance(m.content, str) else [p.text for p in m.content or [] if p.type == "text"])]
+
+
+def image_parts(messages) -> list[tuple[str, str]]:
+    """(field, url) of each image part of the request's messages, in order."""
+    return [(f"messages[{i}].content[{j}].image_url.url", p.image_url.url) for i, m in enumerate(messages)
+            if isinstance(m.content, list) for j, p in enumerate(m.content) if p.type == "image_url"]
+
+
+def template_messages(messages, images: bool = False) -> list[dict]:
+    """The request's messages (schemas.ChatMessage) as the chat template reads them. Content is a
+    string, except a user message with images (images: the model reads them) is a list of parts as
+    vision-language templates read it: {"type": "text", "text"} and {"type": "image"}."""
     out = []
     for i, m in enumerate(messages):
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        parts = [] if isinstance(m.content, str) else m.content or []
+        pictures = [j for j, p in enumerate(parts) if p.type == "image_url"]
+        if pictures:
+            field = f"messages[{i}].content[{pictures[0]}]"
+            if not images:
+                raise errors.bad_request(f"{field}: this model takes text only: it cannot read images", field)
+            if m.role != "user":
+                raise errors.bad_request(f"{field}: images go in user messages, not in {m.role} messages", field)
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in parts if p.type == "text")
         errors.check_text(content, f"messages[{i}].content")
+        if pictures:
+            content = [{"type": "image"} if p.type == "image_url" else {"type": "text", "text": p.text} for p in parts]
         for name, instead in (("function_call", "send tool_calls"), ("audio", "send text")):
             if getattr(m, name) is not None:
                 raise errors.bad_request(f"messages[{i}].{name}: not supported here: {instead}",

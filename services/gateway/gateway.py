@@ -23,6 +23,8 @@ from kvrelay.gateway.backend import Backend
 from kvrelay.gateway.deadlines import request_timeout
 from kvrelay.gateway.errors import ApiError
 from kvrelay.gateway.frontdoor import FrontDoorLimits
+from kvrelay.gateway.images import chat_image_prompt, fetch_chat_images
+from kvrelay.gateway.media import MediaLimits
 from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.quota import (
     Admission,
@@ -74,6 +76,7 @@ class GatewayConfig:
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning.PARSERS
     allowed_origins: list[str] = field(default_factory=list)  # --allowed-origins: CORS for browsers; []: none
     runtime_lora: bool = False  # --allow-runtime-lora-updating: /v1/load_lora_adapter and /v1/unload_lora_adapter
+    media: MediaLimits = field(default_factory=MediaLimits)  # images in chat: counts, sizes, fetching (media.py)
 
 
 @dataclass
@@ -267,12 +270,12 @@ class Gateway:
     async def prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
         self.check_model(body.model, tenant)
         model_names.check_runner(self.backend, body.model, "generate")
-        texts = [m.content if isinstance(m.content, str) else p.text for m in body.messages
-                 for p in ([None] if isinstance(m.content, str) else m.content or [])]
+        texts = chat_render.message_texts(body.messages)
         self._check_prompt_bytes(texts, "messages")
         await self.check_request_rate(tenant)
-        inline = _inline(body, sum(len(t) for t in texts))
-        return await self._offload(self._prepare_chat, body, tenant, inline=inline)
+        pictures = await fetch_chat_images(body, getattr(self.backend, "images", None), self.config.media)
+        inline = pictures is None and _inline(body, sum(len(t) for t in texts))
+        return await self._offload(self._prepare_chat, body, tenant, pictures, inline=inline)
 
     def cache_salt(self, tenant: Tenant, request_salt: str | None) -> str | None:
         """Tenants get prefix caches of their own (one per `prefix_cache_group` when set), so no tenant
@@ -356,14 +359,15 @@ class Gateway:
                 p.echo = [self.backend.tokenizer.decode(ids) for ids in prompts]
         return p
 
-    def _prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant) -> Prepared:
+    def _prepare_chat(self, body: ChatCompletionRequest, tenant: Tenant, pictures=None) -> Prepared:
         if body.user is not None:
             errors.check_text(body.user, "user")
-        messages = chat_render.template_messages(body.messages)
+        images = getattr(self.backend, "images", None)  # a vision-language model's ImageProcessor
+        messages = chat_render.template_messages(body.messages, images=images is not None)
         tok = self.backend.tokenizer
         plan, messages, template_vars = tool_calling.plan(body, self.config.tools, tok, messages)
-        prompts = self._truncate([chat_render.render(tok, messages, body, template_vars,
-                                                     self.config.allow_special_tokens)], body)
+        prompt = chat_render.render(tok, messages, body, template_vars, self.config.allow_special_tokens)
+        prompts = self._truncate([chat_image_prompt(images, prompt, pictures) if pictures else prompt], body)
         if body.top_logprobs is not None and not body.logprobs:
             raise errors.bad_request("top_logprobs: requires `logprobs: true`", "top_logprobs")
         field_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

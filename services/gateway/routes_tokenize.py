@@ -61,9 +61,11 @@ async def tokenize(body: TokenizeRequest, request: Request, tenant: Annotated[Te
             if body.add_special_tokens:  # the ids a completion of this prompt runs on
                 return gateway._encode(body.prompt, "prompt")
             return tok.encode_plain(body.prompt, add_special_tokens=False)
-        messages = chat_render.template_messages(body.messages)
-        gateway._check_prompt_bytes([m["content"] for m in messages], "messages")
-        return chat_render.render(tok, messages, body, {}, gateway.config.allow_special_tokens)
+        images = getattr(gateway.backend, "images", None)  # a vision model counts each image's placeholders
+        messages = chat_render.template_messages(body.messages, images=images is not None)
+        gateway._check_prompt_bytes(chat_render.message_texts(body.messages), "messages")
+        ids = chat_render.render(tok, messages, body, {}, gateway.config.allow_special_tokens)
+        return images.expand(ids) if images is not None else ids
 
     ids = await gateway._offload(run)
     out = {"count": len(ids), "max_model_len": gateway.backend.max_model_len, "tokens": ids}

@@ -175,21 +175,34 @@ class TextPart(_Strict):
     text: str
 
 
-def _text_parts_only(content):
-    """The engine serves text-only models: name an image or audio part plainly, instead of the union's
-    "Input should be a valid string" for the whole content."""
+class ImageURL(_Strict):
+    url: Annotated[str, Field(min_length=1)]  # a data: URL (base64) or http(s); gateway/media.py
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; the model's processor decides the size
+
+
+class ImageURLPart(_Strict):
+    """An image (vision-language models; gateway/images.py); a text-only model answers 400."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+def _known_parts(content):
+    """Name an audio, video or file part plainly, instead of the union's "Input should be a valid
+    string" for the whole content."""
     if isinstance(content, list):
         for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                raise ValueError(f"part {i} has type {kind!r}, but this server's models take text only: "
-                                 "send content as a string or as parts of type 'text'")
+            if isinstance(kind, str) and kind not in ("text", "image_url"):
+                raise ValueError(f"part {i} has type {kind!r}, but this server takes parts of type 'text' and "
+                                 "'image_url' only")
     return content
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
+    content: Annotated[str | list[Annotated[TextPart | ImageURLPart, Field(discriminator="type")]] | None,
+                       BeforeValidator(_known_parts)] = None
     name: Annotated[str, Field(max_length=256)] | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools (gateway/structured/tools.py)
     tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # tool turns: the call answered

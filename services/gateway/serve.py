@@ -24,6 +24,7 @@ from kvrelay.gateway.api_key import ApiKeyRegistry
 from kvrelay.gateway.app import Gateway, GatewayConfig, create_app
 from kvrelay.gateway.backend import LocalBackend
 from kvrelay.gateway.frontdoor import FrontDoorLimits, uvicorn_options
+from kvrelay.gateway.media import MediaLimits, parse_limit_mm_per_prompt
 from kvrelay.gateway.quota import MemoryQuotaStore, QuotaManager, RedisQuotaStore
 from kvrelay.gateway.structured.tool_parsers import PARSERS
 from kvrelay.gateway.structured.tools import ToolSettings
@@ -67,6 +68,16 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
                         help="UTF-8 bytes of prompt text per request, checked before tokenizing (413 past it)")
     parser.add_argument("--tokenizer-threads", type=int, default=d.tokenizer_threads,
                         help="threads that tokenize prompts and render chat templates off the event loop")
+    media = MediaLimits()
+    parser.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                        help=f"images a chat request may hold, as vLLM takes it: '{{\"image\": N}}' "
+                             f"(default {media.max_images})")
+    parser.add_argument("--max-image-bytes", type=int, default=media.max_image_bytes,
+                        help="bytes of one encoded image, from a data URL or fetched (400 past it)")
+    parser.add_argument("--media-fetch-timeout", type=float, default=media.fetch_timeout_s,
+                        help="seconds to fetch one http(s) image URL (400 past it)")
+    parser.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                        help="the only hosts http(s) image URLs may name (default: any)")
     parser.add_argument("--allow-special-tokens-in-prompt", action="store_true",
                         help="trusted deployments: special-token text in prompts and messages (e.g. </s>) acts as "
                              "the special token; by default it is plain text")
@@ -131,6 +142,17 @@ def build_quota(args: argparse.Namespace) -> QuotaManager:
                         wait_s=args.quota_wait)
 
 
+def media_limits(args: argparse.Namespace) -> MediaLimits:
+    try:
+        max_images = parse_limit_mm_per_prompt(args.limit_mm_per_prompt)
+    except ValueError as e:
+        raise SystemExit(f"kvrelay: {e}") from e
+    if args.max_image_bytes < 1 or args.media_fetch_timeout <= 0:
+        raise SystemExit("kvrelay: --max-image-bytes and --media-fetch-timeout must be positive")
+    domains = tuple(args.allowed_media_domains) if args.allowed_media_domains else None
+    return MediaLimits(max_images, args.max_image_bytes, args.media_fetch_timeout, domains)
+
+
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit(f"kvrelay: --enable-auto-tool-choice needs --tool-call-parser ({', '.join(sorted(PARSERS))})")
@@ -147,6 +169,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          reasoning_parser=args.reasoning_parser,
                          allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
                          runtime_lora=args.allow_runtime_lora_updating,
+                         media=media_limits(args),
                          frontdoor=FrontDoorLimits(args.max_header_bytes, args.max_headers, args.header_timeout,
                                                    args.max_connections_per_client))
 

@@ -185,12 +185,18 @@ def test_bad_chat_bodies(gw, extra, param):
     assert_error(r, 400, param)
 
 
-def test_an_image_part_is_named_as_unsupported(gw):
+def test_an_image_for_a_text_only_model_is_named(gw):
     content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x"}}]
     r = post(gw, {"model": MODEL, "messages": [{"role": "user", "content": content}]}, path="/v1/chat/completions")
+    err = assert_error(r, 400, "messages[0].content[1]")
+    assert "takes text only" in err["message"], err["message"]
+
+
+def test_an_audio_part_is_named_as_unsupported(gw):
+    content = [{"type": "text", "text": "Hear this"}, {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]
+    r = post(gw, {"model": MODEL, "messages": [{"role": "user", "content": content}]}, path="/v1/chat/completions")
     err = assert_error(r, 400, "messages[0].content")
-    assert err["message"].startswith("messages[0].content: part 1 has type 'image_url'"), err["message"]
-    assert "text only" in err["message"]
+    assert err["message"].startswith("messages[0].content: part 1 has type 'input_audio'"), err["message"]
 
 
 def test_unknown_route_and_method(gw):

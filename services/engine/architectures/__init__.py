@@ -3,9 +3,10 @@ family's config onto the decoder's building blocks and its checkpoint names onto
 
 Built in: Llama, Mistral, Qwen2, Qwen3 (llama.py), Gemma 2 and Gemma 3 text (gemma.py), Phi-3
 (phi3.py), the mixture-of-experts families Mixtral (mixtral.py), Qwen2-MoE and Qwen3-MoE
-(qwen_moe.py) over the shared sparse block (moe.py), and the Llama family's sequence classifiers
-(classify.py). Plugins add more through the `kvrelay.architectures` entry-point group
-(kvrelay.plugins); a name registered twice is an error.
+(qwen_moe.py) over the shared sparse block (moe.py), the Llama family's sequence classifiers
+(classify.py), and LLaVA's decoder (llava.py; its vision half is kvrelay.engine.multimodal).
+Plugins add more through the `kvrelay.architectures` entry-point group (kvrelay.plugins); a name
+registered twice is an error.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ def lookup(names: list[str], source: str = "config.json") -> Architecture:
 
 
 def _register_builtins() -> None:
-    from kvrelay.engine.architectures import classify, gemma, llama, mixtral, phi3, qwen_moe
+    from kvrelay.engine.architectures import classify, gemma, llama, llava, mixtral, phi3, qwen_moe
 
-    for module in (llama, gemma, phi3, mixtral, qwen_moe, classify):
+    for module in (llama, gemma, phi3, mixtral, qwen_moe, classify, llava):
         for arch in module.ARCHITECTURES:
             register(arch)
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from kvrelay.engine.lora.stacked import step_plan
 from kvrelay.engine.model import StepBatch
+from kvrelay.engine.multimodal.inputs import image_rows
 from kvrelay.engine.sequence import Sequence, Status
 
 _ALIGN = 16  # bytes: every typed region starts aligned for int64 views
@@ -135,13 +136,15 @@ class InputBatch:
 
     def build(self, seqs: list[Sequence], num_new: list[int], pad_decode_to: int | None = None,
               all_logits: frozenset[int] = frozenset(), prompt_rows: frozenset[int] = frozenset(),
-              token_src: dict[int, int] | None = None, adapters: list[int] | None = None) -> BuiltStep:
+              token_src: dict[int, int] | None = None, adapters: list[int] | None = None,
+              images: list[int] | None = None) -> BuiltStep:
         """pad_decode_to: a decode-only step padded to this many rows (CUDA graph buckets); padding
         rows write no K/V (slot -1) and attend to nothing (length 0). all_logits: indices of seqs
         whose every new token gets a row of logits (speculative verification), not only the last.
         token_src: index in seqs -> index in the previous step's sampled tokens, for decodes whose
         input token the host does not know yet (see BuiltStep.token_src). adapters: per sequence of
-        seqs, its LoRA adapter's index or -1 (StepBatch.lora); None when none has one."""
+        seqs, its LoRA adapter's index or -1 (StepBatch.lora); None when none has one. images: indices
+        of seqs whose chunk may hold image placeholders (features made: StepBatch.image_rows)."""
         bs = self.bs
         # Decode rows: single-token decodes, and the short extend chunks of speculative verification
         # (all_logits), one row per token: the row at position p attends to the cache up to p, which
@@ -291,5 +294,13 @@ class InputBatch:
             per_token = np.concatenate([np.repeat(per_seq[dec], 1 if counts_dec is None else counts_dec),
                                         np.full(pad, -1, dtype=np.int64), np.repeat(per_seq[pre], pre_counts)])
             batch.lora = step_plan(per_token, self.device)
+        if images:
+            if all_logits:
+                raise ValueError("a step with images carries no speculative verification")
+            first_row = {i: r for r, i in enumerate(dec)} | dict(zip(pre, (nd + pad + np.cumsum(pre_counts) - pre_counts).tolist()))
+            found = image_rows([(seqs[i].images, seqs[i].num_computed, num_new[i], first_row[i]) for i in images],
+                               self.device)
+            if found is not None:
+                batch.image_rows, batch.image_embeds = found
         src_dev = None if src_off is None else v(src_off, (nd,), torch.int64)
         return BuiltStep(batch, sample_idx, nd, rows_per_sample, prompt_spans, src_dev)

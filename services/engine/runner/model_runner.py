@@ -35,6 +35,7 @@ class ModelRunner:
         # and execute() may return its RemoteLogits; benchmarks turn it off for their baseline.
         self.sample_on_worker = self.parallel
         self.has_lora = getattr(model, "adapters", None) is not None  # serves LoRA adapters (kvrelay.engine.lora)
+        self.vision = None  # a vision-language model's VisionEncoder (kvrelay.engine.multimodal)
 
     def capture_graphs(self, sizes: list[int] | None = None) -> CaptureReport:
         if self.device.type != "cuda":
@@ -61,8 +62,9 @@ class ModelRunner:
             finally:  # the reply is read even if meanwhile fails: the pipes stay in step
                 logits = self.model.collect()
             return logits
-        # Graphs hold no adapter deltas: a step with LoRA rows runs eagerly.
-        size = None if self.piecewise is None or batch.lora else self.piecewise.bucket(batch.input_ids.shape[0])
+        # Graphs hold no adapter deltas or image features: a step with either runs eagerly.
+        size = None if self.piecewise is None or batch.lora or batch.image_rows is not None \
+            else self.piecewise.bucket(batch.input_ids.shape[0])
         if size is None:
             logits = self.model.forward(batch, self.kv_cache)
         else:
@@ -71,6 +73,19 @@ class ModelRunner:
         if meanwhile is not None:
             meanwhile()
         return logits
+
+    def _images(self, seqs: list[Sequence]) -> list[int]:
+        """Indices of seqs whose step may reach image placeholders; their images' features are made
+        here, at the first such step (the vision tower runs once per prompt)."""
+        out = []
+        for i, s in enumerate(seqs):
+            images = s.images
+            if images is not None and images.pending(s.num_computed):
+                if images.embeds is None:
+                    images.embeds = self.vision.encode(images.pixel_values)
+                    images.pixel_values = None
+                out.append(i)
+        return out
 
     def _graph_size(self, num_new: list[int]) -> int | None:
         if self.graphs is None or self.model.layer_hook is not None:  # the hook runs Python per layer
@@ -96,8 +111,11 @@ class ModelRunner:
         adapters = [s.lora for s in seqs] if self.has_lora else None
         if adapters is not None and all(k < 0 for k in adapters):
             adapters = None
-        size = None if all_logits or prompt_rows or adapters else self._graph_size(num_new)
+        images = self._images(seqs) if self.vision is not None else None
+        size = None if all_logits or prompt_rows or adapters or images else self._graph_size(num_new)
         extra = {"prompt_rows": prompt_rows} if prompt_rows else {}  # the common call keeps build's old signature
+        if images:
+            extra["images"] = images
         if token_src:
             extra["token_src"] = token_src
         if adapters:

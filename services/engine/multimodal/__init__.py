@@ -1,0 +1,44 @@
+"""Vision-language models (LLaVA): images in chat prompts.
+
+- config.py: what config.json says about images (the placeholder token, tokens per image).
+- processor.py: the API side: images decoded, turned into pixels by the model's own image
+  processor (transformers), and the prompt's placeholders expanded: an ImagePrompt.
+- inputs.py: ImagePrompt, and the images a sequence carries in the engine.
+- encoder.py: the vision tower and projector, run at an image's first prefill chunk.
+
+The decoder runs as the text model it is; a prefill chunk's placeholder rows take the image
+features in place of the token embedding (StepBatch.image_rows), as transformers' masked scatter
+does. Prompts share cached K/V only with prompts of the same images (their hashes salt the prefix
+cache).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from kvrelay.engine.multimodal.config import VisionConfig, read_vision_config
+from kvrelay.engine.multimodal.encoder import VisionEncoder
+
+__all__ = ["VisionConfig", "VisionEncoder", "load_vision", "read_vision_config"]
+
+
+def load_vision(args, model_dir: Path, config, dtype: torch.dtype, device: torch.device, *,
+                parallel: bool, speculative: bool, pooling: bool) -> VisionEncoder | None:
+    """The model's vision encoder; None for a text-only model. Raises ValueError for engine settings
+    that do not run images yet."""
+    cfg = read_vision_config(model_dir)
+    if cfg is None:
+        return None
+    refused = [(parallel, "tensor or pipeline parallelism (--tensor-parallel-size, --pipeline-parallel-size, --distributed-executor-backend mp)"),
+               (speculative, "speculative decoding (--speculative-method)"),
+               (pooling, "--runner pooling"),
+               (bool(getattr(args, "enable_lora", False)), "LoRA adapters (--enable-lora)")]
+    for on, what in refused:
+        if on:
+            raise ValueError(f"{model_dir.name} is a vision-language model ({cfg.architecture}); {what} does not "
+                             "run with images yet: drop it")
+    if not 0 <= cfg.image_token_id < config.vocab_size:
+        raise ValueError(f"{model_dir}: image_token_id {cfg.image_token_id} is outside the decoder's vocabulary "
+                         f"({config.vocab_size})")
+    return VisionEncoder(cfg, model_dir, config.hidden_size, dtype, device, dummy=args.load_format == "dummy")

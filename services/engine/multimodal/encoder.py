@@ -1,0 +1,104 @@
+"""The vision half of a LLaVA model: its vision tower and the projector that maps the tower's
+features into the decoder's embedding space.
+
+The tower is transformers' own module for its config (CLIP or SigLIP vision), loaded with the
+checkpoint's tensors: it runs once per image, at the image's first prefill chunk, so the decoder's
+kernels and graphs are where the time goes, and the reference implementation keeps every tower
+detail (class token, position interpolation, the layers read) exact. The projector is two linear
+layers around the config's activation.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from kvrelay.engine.errors import ModelLoadError
+from kvrelay.engine.multimodal.config import VisionConfig
+from kvrelay.engine.weights import shard_files
+from safetensors import safe_open
+
+log = logging.getLogger(__name__)
+
+TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.")
+PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ModelLoadError("vision-language models need transformers (their vision tower and image "
+                             "processor): pip install 'kvrelay[multimodal]'") from e
+    return transformers
+
+
+class VisionEncoder:
+    def __init__(self, cfg: VisionConfig, model_dir: Path, text_hidden: int, dtype: torch.dtype,
+                 device: torch.device, dummy: bool = False):
+        transformers = _transformers()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        tower_config = transformers.CONFIG_MAPPING[cfg.vision["model_type"]](**cfg.vision)
+        self.tower = transformers.AutoModel.from_config(tower_config).eval()
+        self.act = transformers.activations.ACT2FN[cfg.projector_act]
+        in_features = tower_config.hidden_size * len(cfg.feature_layers)
+        shapes = {"linear_1.weight": (text_hidden, in_features), "linear_2.weight": (text_hidden, text_hidden)}
+        if dummy:  # --load-format dummy: the tower's own initialisation, a random projector
+            gen = torch.Generator().manual_seed(0)
+            self.proj = {k: torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()}
+        else:
+            self.proj = self._load(model_dir, shapes)
+        self.tower.to(device=device, dtype=dtype)
+        self.proj = {k: v.to(device=device, dtype=dtype) for k, v in self.proj.items()}
+
+    def _load(self, model_dir: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        files = shard_files(model_dir)
+
+        def find(prefixes: tuple[str, ...], key: str, inner: tuple[str, ...] = ("",)) -> str:
+            for p in prefixes:
+                for mid in inner:
+                    if p + mid + key in files:
+                        return p + mid + key
+            raise ModelLoadError(f"{model_dir}: the vision-language checkpoint has no tensor for {prefixes[0]}{key}")
+
+        def read(name: str) -> torch.Tensor:
+            with safe_open(str(files[name]), framework="pt") as st:
+                return st.get_tensor(name)
+
+        state = {}
+        for key, param in self.tower.state_dict().items():
+            # transformers saves CLIP's tower as vision_tower.<key>; older checkpoints as vision_tower.vision_model.<key>
+            t = read(find(TOWER_PREFIXES, key, ("", "vision_model.")))
+            if t.shape != param.shape:
+                raise ModelLoadError(f"{model_dir}: vision tower tensor {key!r} has shape {list(t.shape)}, "
+                                     f"expected {list(param.shape)} from vision_config")
+            state[key] = t
+        self.tower.load_state_dict(state)
+        proj = {}
+        for key, shape in shapes.items():
+            t = read(find(PROJECTOR_PREFIXES, key))
+            if tuple(t.shape) != shape:
+                raise ModelLoadError(f"{model_dir}: projector tensor {key!r} has shape {list(t.shape)}, expected "
+                                     f"{list(shape)}")
+            proj[key] = t
+            bias = key.replace("weight", "bias")
+            if any(p + bias in files for p in PROJECTOR_PREFIXES):
+                proj[bias] = read(find(PROJECTOR_PREFIXES, bias))
+        return proj
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Features of a prompt's images, in order: [images * tokens_per_image, text hidden]."""
+        out = self.tower(pixel_values.to(device=self.device, dtype=self.dtype), output_hidden_states=True)
+        layers = [out.hidden_states[i] for i in self.cfg.feature_layers]
+        if self.cfg.drop_class_token:
+            layers = [h[:, 1:] for h in layers]
+        feats = torch.cat(layers, dim=-1)
+        p = self.proj
+        feats = F.linear(self.act(F.linear(feats, p["linear_1.weight"], p.get("linear_1.bias"))),
+                         p["linear_2.weight"], p.get("linear_2.bias"))
+        return feats.reshape(-1, feats.shape[-1])

@@ -1,0 +1,85 @@
+"""A prompt's images on their way to the engine, and on the sequence once there.
+
+The gateway sends an ImagePrompt: the prompt's token ids, each image's placeholder token repeated
+as many times as the image has features, carrying the processed pixels. It is a list of ids, so
+everything that passes prompts along (counting, quotas, the engine-core pipe) keeps working; a
+copy or slice is a plain list and loses the images, which the engine then refuses (placeholders
+without images), so a prompt is never run with the placeholder token's own embedding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    pixel_values: torch.Tensor  # [images, channels, height, width] float32, as the image processor made them
+    hashes: tuple[str, ...]  # per image, of its pixels: prompts share cached K/V only with the same images
+
+
+class ImagePrompt(list):
+    """Token ids with their images (see the module's docstring)."""
+
+    def __init__(self, token_ids: list[int], images: ImageInputs):
+        super().__init__(token_ids)
+        self.images = images
+
+
+@dataclass(eq=False)
+class SequenceImages:
+    """A sequence's images: their pixels until the vision tower has run, then their features,
+    kept until the sequence finishes (a preempted sequence recomputes its prompt)."""
+
+    pixel_values: torch.Tensor | None
+    positions: np.ndarray  # int64, ascending: the prompt positions of the placeholder tokens
+    embeds: torch.Tensor | None = None  # [len(positions), hidden], the projected features in order
+
+    def pending(self, num_computed: int) -> bool:
+        """Placeholders at or after num_computed still need their features."""
+        return num_computed <= int(self.positions[-1])
+
+
+def image_rows(spans: list[tuple[SequenceImages, int, int, int]],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The step's rows that take image features instead of token embeddings, and those features.
+    spans: (images, first position, tokens, first row in the step) per scheduled chunk."""
+    rows, parts = [], []
+    for images, start, count, first_row in spans:
+        lo, hi = np.searchsorted(images.positions, [start, start + count])
+        if lo < hi:
+            rows.append(images.positions[lo:hi] - start + first_row)
+            parts.append(images.embeds[lo:hi])
+    if not rows:
+        return None
+    return torch.from_numpy(np.concatenate(rows)).to(device), torch.cat(parts)
+
+
+def prompt_images(encoder, prompt, ids: list[int]) -> SequenceImages | None:
+    """The images of a prompt for a sequence, checked against its placeholder tokens; None when it
+    has none. encoder: the engine's VisionEncoder, None for a text-only model. Raises
+    InvalidRequestError for images a model cannot read or placeholders without their images."""
+    from kvrelay.engine.errors import InvalidRequestError
+
+    images: ImageInputs | None = getattr(prompt, "images", None)
+    if encoder is None:
+        if images is not None:
+            raise InvalidRequestError("this model takes text only: it cannot read images", field="messages")
+        return None
+    cfg = encoder.cfg
+    positions = np.flatnonzero(np.asarray(ids, dtype=np.int64) == cfg.image_token_id)
+    n = 0 if images is None else images.pixel_values.shape[0]
+    if len(positions) != n * cfg.tokens_per_image:
+        raise InvalidRequestError(
+            f"prompt: holds {len(positions)} image placeholder tokens (id {cfg.image_token_id}), but its {n} "
+            f"image(s) take {n * cfg.tokens_per_image} ({cfg.tokens_per_image} each): send images as chat "
+            "content parts and do not cut the prompt inside an image", field="prompt")
+    if n == 0:
+        return None
+    if tuple(images.pixel_values.shape[1:]) != cfg.pixel_shape:
+        raise InvalidRequestError(f"images: pixel values of shape {list(images.pixel_values.shape[1:])}, but the "
+                                  f"vision tower takes {list(cfg.pixel_shape)}", field="messages")
+    return SequenceImages(images.pixel_values, positions)

@@ -1,0 +1,90 @@
+"""A vision-language model's images on the API side: decoded, made into pixels by the model's own
+image processor (transformers' AutoImageProcessor, as the model folder configures it), and the
+rendered prompt's image markers expanded into the placeholder run each image's features fill."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import warnings
+from pathlib import Path
+
+from kvrelay.engine.multimodal.config import VisionConfig, read_vision_config
+from kvrelay.engine.multimodal.inputs import ImageInputs, ImagePrompt
+from kvrelay.gateway import errors
+
+
+def decode_image(data: bytes, field: str):
+    """An RGB PIL image; a 400 naming field for bytes that are no image, or a decompression bomb
+    (more pixels than PIL's MAX_IMAGE_PIXELS)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            picture = Image.open(io.BytesIO(data))
+            picture.load()
+        return picture.convert("RGB")
+    except (UnidentifiedImageError, Image.DecompressionBombWarning, Image.DecompressionBombError, OSError,
+            ValueError) as e:
+        raise errors.bad_request(f"{field}: not an image this server can read: {e}", field) from e
+
+
+class ImageProcessor:
+    def __init__(self, model_dir: Path, cfg: VisionConfig):
+        from transformers import AutoImageProcessor
+
+        self.cfg = cfg
+        self.processor = AutoImageProcessor.from_pretrained(model_dir)
+
+    @classmethod
+    def for_model(cls, model_dir: Path) -> ImageProcessor | None:
+        """The model's processor; None for a text-only model."""
+        cfg = read_vision_config(model_dir)
+        return None if cfg is None else cls(model_dir, cfg)
+
+    def prompt(self, ids: list[int], pictures: list, fields: list[str]) -> ImagePrompt:
+        """ids: the rendered chat, one image marker (the image token) per picture, in order."""
+        markers = sum(1 for t in ids if t == self.cfg.image_token_id)
+        if markers != len(pictures):
+            raise errors.bad_request(
+                f"messages: the chat template placed {markers} image markers for {len(pictures)} images: this "
+                "model's template does not show images where the messages put them", "messages")
+        try:
+            pixels = self.processor(pictures, return_tensors="pt")["pixel_values"]
+        except (ValueError, TypeError) as e:  # e.g. an image with a zero side
+            raise errors.bad_request(f"{fields[0] if len(fields) == 1 else 'messages'}: the image processor "
+                                     f"refused the image: {e}", "messages") from e
+        hashes = tuple(hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest() for p in pixels)
+        return ImagePrompt(self.expand(ids), ImageInputs(pixels.float(), hashes))
+
+    def expand(self, ids: list[int]) -> list[int]:
+        """Each image marker repeated into the run of placeholders its features fill."""
+        token, n = self.cfg.image_token_id, self.cfg.tokens_per_image
+        out: list[int] = []
+        for t in ids:
+            out.extend([t] * n if t == token else (t,))
+        return out
+
+
+async def fetch_chat_images(body, processor: ImageProcessor | None, limits) -> list[tuple[str, bytes]] | None:
+    """The chat request's images, encoded, with their fields (media.py); None when it has none.
+    A text-only model refuses them before anything is fetched."""
+    import httpx
+    from kvrelay.gateway import chat_render, media
+
+    parts = chat_render.image_parts(body.messages)
+    if not parts:
+        return None
+    if processor is None:
+        field = parts[0][0].removesuffix(".image_url.url")
+        raise errors.bad_request(f"{field}: this model takes text only: it cannot read images", field)
+    async with httpx.AsyncClient(follow_redirects=False) as client:
+        data = await media.load_images(parts, limits, client)
+    return [(field, d) for (field, _), d in zip(parts, data)]
+
+
+def chat_image_prompt(processor: ImageProcessor, ids: list[int], images: list[tuple[str, bytes]]) -> ImagePrompt:
+    """The rendered chat's ids with its images: decoded, processed, and their markers expanded."""
+    pictures = [decode_image(data, field) for field, data in images]
+    return processor.prompt(ids, pictures, [field for field, _ in images])

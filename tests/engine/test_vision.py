@@ -1,0 +1,128 @@
+"""Vision-language models (kvrelay.engine.multimodal): a tiny LLaVA's greedy tokens equal
+transformers' for prompts with images, through chunked prefill that cuts images, the prefix cache
+and preemption; and the checks on what a prompt's images must match."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from helpers import make_engine
+from kvrelay.engine.errors import InvalidRequestError
+from kvrelay.engine.multimodal.inputs import ImageInputs, ImagePrompt
+from kvrelay.engine.sampling_params import SamplingParams
+from vision_models import TOKENS_PER_IMAGE, hf_greedy, hf_inputs, image, save_tiny_llava
+
+from kvrelay.models import BUNDLED_MODEL
+
+TEXT = "user: Once upon a time <image> there was <image> a\nassistant:"
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return save_tiny_llava(tmp_path_factory.mktemp("llava"))
+
+
+def prompt_of(ids, pixel_values) -> ImagePrompt:
+    hashes = tuple(hashlib.sha256(p.numpy().tobytes()).hexdigest() for p in pixel_values)
+    return ImagePrompt(ids, ImageInputs(pixel_values, hashes))
+
+
+def run(engine, prompts: list, max_tokens: int = MAX_NEW) -> list[list[int]]:
+    """Every prompt submitted at once; each one's generated ids, in order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), f"r{i}")
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_greedy_equals_transformers_with_images_cut_by_chunks(llava):
+    # Two prompts, same text, one image differs: the 16-token budget cuts each image's 16 placeholders
+    # across two chunks, and both prompts prefill in the same steps.
+    cases = [hf_inputs(llava, TEXT, [image(1), image(2)]), hf_inputs(llava, TEXT, [image(3), image(2)])]
+    refs = [hf_greedy(llava, ids, pv, MAX_NEW) for ids, pv in cases]
+    assert refs[0] != refs[1]  # the images steer the model: ignoring them could not pass
+    assert cases[0][0].count(cases[0][0][-1]) < TOKENS_PER_IMAGE  # sanity: ids end in text
+    engine = make_engine(llava, max_num_batched_tokens=16)
+    assert engine.vision is not None and engine.vision.cfg.tokens_per_image == TOKENS_PER_IMAGE
+    assert run(engine, [prompt_of(*c) for c in cases]) == refs
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_prefix_cache_is_shared_only_with_the_same_images(llava):
+    a = hf_inputs(llava, TEXT, [image(4), image(5)])
+    b = hf_inputs(llava, TEXT, [image(6), image(5)])  # the same ids: only the pixels differ
+    refs = [hf_greedy(llava, ids, pv, MAX_NEW) for ids, pv in (a, b)]
+    engine = make_engine(llava)
+    assert run(engine, [prompt_of(*a)]) == [refs[0]]
+    # b's placeholder ids equal a's cached blocks' ids: reusing them would answer a's images.
+    assert run(engine, [prompt_of(*b)]) == [refs[1]]
+    assert engine.requests == {}
+    seqs = engine.make_request(prompt_of(*a), SamplingParams(max_tokens=2), "again")
+    engine.add(seqs)
+    while engine.has_work():
+        engine.step()
+    assert seqs[0].num_cached_tokens >= 32  # the same images: their blocks are hits
+
+
+def test_preempted_sequences_recompute_their_images(llava):
+    cases = [hf_inputs(llava, TEXT, [image(10 + i), image(20 + i)]) for i in range(3)]
+    refs = [hf_greedy(llava, ids, pv, 24) for ids, pv in cases]
+    # 14 blocks of 16 tokens: three 57-token prompts growing to 81 cannot all stay.
+    engine = make_engine(llava, num_kv_blocks=14, block_size=16, max_num_batched_tokens=64, max_model_len=128,
+                         enable_prefix_caching=False)
+    assert run(engine, [prompt_of(*c) for c in cases], max_tokens=24) == refs
+    assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("strategy,layers", [("full", [-3, -1])])
+def test_feature_strategy_and_layers_follow_the_config(tmp_path, strategy, layers):
+    path = save_tiny_llava(tmp_path, strategy=strategy, feature_layer=layers)
+    ids, pv = hf_inputs(path, TEXT, [image(1), image(2)])
+    engine = make_engine(path)
+    assert engine.vision.cfg.tokens_per_image == TOKENS_PER_IMAGE + 1  # the class token's feature stays
+    assert run(engine, [prompt_of(ids, pv)]) == [hf_greedy(path, ids, pv, MAX_NEW)]
+
+
+def test_prompts_must_match_their_images(llava):
+    engine = make_engine(llava)
+    ids, pv = hf_inputs(llava, TEXT, [image(1), image(2)])
+    with pytest.raises(InvalidRequestError, match="32 image placeholder tokens.*0 image"):
+        engine.add_request(list(ids), SamplingParams(max_tokens=2), "no-images")  # a plain copy: no pixels
+    with pytest.raises(InvalidRequestError, match="32 image placeholder tokens.*1 image"):
+        engine.add_request(prompt_of(ids, pv[:1]), SamplingParams(max_tokens=2), "one-image")
+    with pytest.raises(InvalidRequestError, match="16 image placeholder tokens"):
+        engine.add_request(prompt_of(ids[:30], pv), SamplingParams(max_tokens=2), "cut")
+    with pytest.raises(InvalidRequestError, match="pixel values of shape"):
+        engine.add_request(prompt_of(ids, pv[:, :, :16]), SamplingParams(max_tokens=2), "small")
+    text_ids, _ = hf_inputs(llava, "user: Once upon a time\nassistant:", [])
+    assert len(run(engine, [text_ids])[0]) == MAX_NEW  # text alone is fine
+    assert engine.requests == {} and engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_text_only_model_refuses_images():
+    engine = make_engine(BUNDLED_MODEL)
+    assert engine.vision is None
+    ids = engine.tokenizer.encode_prompt("Once upon a time")
+    with pytest.raises(InvalidRequestError, match="takes text only"):
+        engine.add_request(ImagePrompt(ids, ImageInputs(image_pixels(), ("x",))), SamplingParams(max_tokens=2), "x")
+
+
+def image_pixels():
+    import torch
+
+    return torch.zeros(1, 3, 32, 32)
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"speculative_method": "ngram", "num_speculative_tokens": 2}, "speculative decoding"),
+    ({"enable_lora": True}, "LoRA"),
+    ({"distributed_executor_backend": "mp"}, "parallelism"),
+])
+def test_unsupported_settings_are_refused_at_start(llava, settings, message):
+    with pytest.raises(ValueError, match=f"vision-language model.*{message}"):
+        make_engine(llava, **settings)

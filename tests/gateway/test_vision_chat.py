@@ -1,0 +1,134 @@
+"""Images in chat through `kvrelay serve` (engine-core process) and the official openai client: a
+tiny LLaVA answers exactly as transformers does for the same rendered prompt and pixels, from data
+URLs and from http URLs; each kind of bad image is a 400 naming its content part."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import httpx
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+from helpers import serve
+from vision_models import hf_greedy, hf_inputs, image, png_bytes, save_tiny_llava
+
+MAX_NEW = 10
+RENDERED = "user: Once upon a time <image> there was <image> a\nassistant:"  # the fixture's template
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    files: ClassVar[dict[str, bytes]] = {}
+
+    def do_GET(self):
+        if self.path == "/slow.png":
+            time.sleep(6)
+        body = self.files.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    _Images.files = {"/one.png": png_bytes(image(1)), "/slow.png": png_bytes(image(1))}
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> Path:
+    return save_tiny_llava(tmp_path_factory.mktemp("llava") / "tiny-llava")
+
+
+@pytest.fixture(scope="module")
+def server(llava, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "serve.log"
+    with serve(log, "--model", str(llava), "--limit-mm-per-prompt", '{"image": 2}', "--max-image-bytes", "8000",
+               "--media-fetch-timeout", "2", "--allowed-media-domains", "127.0.0.1") as url:
+        yield url
+
+
+def data_url(picture) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(picture)).decode()
+
+
+def story(first: str, second: str) -> list[dict]:
+    return [{"role": "user", "content": [
+        {"type": "text", "text": "Once upon a time "}, {"type": "image_url", "image_url": {"url": first}},
+        {"type": "text", "text": " there was "}, {"type": "image_url", "image_url": {"url": second}},
+        {"type": "text", "text": " a"}]}]
+
+
+def ask(url: str, messages: list[dict], **kw):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    return client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=MAX_NEW, temperature=0,
+                                          extra_body={"ignore_eos": True}, **kw)
+
+
+def reference(llava: Path, pictures: list) -> tuple[str, int]:
+    from transformers import AutoTokenizer
+
+    ids, pixels = hf_inputs(llava, RENDERED, pictures)
+    out = hf_greedy(llava, ids, pixels, MAX_NEW)
+    tok = AutoTokenizer.from_pretrained(llava)  # the new text as decoded after the prompt (its leading space)
+    return tok.decode(ids + out, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)):], len(ids)
+
+
+def test_chat_with_images_answers_as_transformers(server, llava):
+    text, prompt_tokens = reference(llava, [image(1), image(2)])
+    other, _ = reference(llava, [image(3), image(2)])
+    assert text != other  # the images steer the answer
+    r = ask(server, story(data_url(image(1)), data_url(image(2))))
+    assert r.choices[0].message.content == text
+    assert r.usage.prompt_tokens == prompt_tokens  # each image counts its 16 placeholder tokens
+    counted = httpx.post(server + "/tokenize", json={"model": "tiny-llava", "messages": story("a", "b")}).json()
+    assert counted["count"] == prompt_tokens  # /tokenize counts the same, without fetching the images
+    assert ask(server, story(data_url(image(3)), data_url(image(2)))).choices[0].message.content == other
+    chunks = ask(server, story(data_url(image(1)), data_url(image(2))), stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
+def test_http_image_urls(server, llava, image_server):
+    text, _ = reference(llava, [image(1), image(2)])
+    base = f"http://127.0.0.1:{image_server}"
+    assert ask(server, story(base + "/one.png", data_url(image(2)))).choices[0].message.content == text
+    field = "messages[0].content[1].image_url.url"
+    for url, message in [(base + "/missing.png", "answered HTTP 404"),
+                         (f"http://localhost:{image_server}/one.png", "not among the allowed media domains"),
+                         (base + "/slow.png", "took over 2.0 s")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(server, story(url, data_url(image(2))))
+        assert e.value.body["param"] == field and message in e.value.body["message"], e.value.body
+
+
+@pytest.mark.parametrize("messages,param,message", [
+    (story("data:image/png;base64,@@@", data_url(image(2))), "messages[0].content[1].image_url.url", "does not decode"),
+    (story("data:image/png;base64," + base64.b64encode(b"not a picture").decode(), data_url(image(2))),
+     "messages[0].content[1].image_url.url", "not an image"),
+    (story("ftp://127.0.0.1/a.png", data_url(image(2))), "messages[0].content[1].image_url.url", "data: or http(s)"),
+    (story(data_url(image(1, (200, 200))), data_url(image(2))), "messages[0].content[1].image_url.url",
+     "over 8000 bytes"),
+    (story(data_url(image(1)), data_url(image(2))) + [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image(3))}}]}], "messages", "more than the 2"),
+    ([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": data_url(image(1))}}]},
+      {"role": "user", "content": "hi"}], "messages[0].content[0]", "go in user messages"),
+])
+def test_bad_images_are_400_naming_the_part(server, messages, param, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(server, messages)
+    assert e.value.body["param"] == param and message in e.value.body["message"], e.value.body
+    assert ask(server, [{"role": "user", "content": "Once upon a time"}]).choices[0].message.content  # still serving
