@@ -75,16 +75,22 @@ class ModelRunner:
         return logits
 
     def _images(self, seqs: list[Sequence]) -> list[int]:
-        """Indices of seqs whose step may reach image placeholders; their images' features are made
-        here, at the first such step (the vision tower runs once per prompt)."""
-        out = []
+        """Indices of seqs whose step may reach image placeholders. Their images' features are made
+        here, at the first such step, in one batch for the step's new images (the vision tower runs
+        once per prompt; the n samples of a request share their images)."""
+        out, new = [], {}
         for i, s in enumerate(seqs):
             images = s.images
             if images is not None and images.pending(s.num_computed):
                 if images.embeds is None:
-                    images.embeds = self.vision.encode(images.pixel_values)
-                    images.pixel_values = None
+                    new[id(images)] = images
                 out.append(i)
+        if new:
+            fresh = list(new.values())
+            feats = self.vision.encode(torch.cat([im.pixel_values for im in fresh]))
+            per_image = feats.shape[0] // sum(im.pixel_values.shape[0] for im in fresh)
+            for im, part in zip(fresh, feats.split([im.pixel_values.shape[0] * per_image for im in fresh])):
+                im.embeds, im.pixel_values = part, None
         return out
 
     def _graph_size(self, num_new: list[int]) -> int | None:
