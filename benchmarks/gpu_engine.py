@@ -54,6 +54,7 @@ from gpu_kernels_section import profiled_kernel_ms, section_kernels
 from gpu_moe import section_moe
 from gpu_parallel_step import section_parallel_step
 from gpu_spec import section_spec
+from gpu_vision import parity_vision
 from package_map import ROOT, map_kvrelay
 from penalties import measure as measure_penalties
 
@@ -223,6 +224,8 @@ def section_parity(rep: Report, device: str, smoke: bool) -> None:
     rep.add("parity_pooling", {"max_abs_diff": diff, "of": len(PROMPTS), "ok": diff < 1e-3},
             f"parity stories260K embeddings (MEAN, normalized), {device} against CPU torch: max |diff| {diff:.1e} "
             f"over {len(PROMPTS)} prompts ({'ok' if diff < 1e-3 else 'MISMATCH'})")
+    with tempfile.TemporaryDirectory() as tmp:  # images: a tiny LLaVA (benchmarks/gpu_vision.py)
+        parity_vision(rep, device, engine_for, greedy_tokens, PROMPTS, Path(tmp))
 
 
 def embed_vectors(engine, prompts: list[str]) -> list[list[float]]:
