@@ -67,6 +67,29 @@ def _text(content, where: str) -> str:
     return "".join(out)
 
 
+def _has_images(content) -> bool:
+    return isinstance(content, list) and all(isinstance(p, dict) for p in content) and any(
+        p.get("type") == "input_image" for p in content)
+
+
+def _parts(content: list, where: str) -> list[dict]:
+    """A user message with images as chat content parts: input_image's image_url (a data: or http(s)
+    URL) becomes an image_url part, which a vision-language model reads (gateway/images.py)."""
+    out = []
+    for k, part in enumerate(content):
+        if part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise errors.bad_request(f"{where}[{k}].image_url: a data: or http(s) URL is needed (file_id is not "
+                                         "supported)", f"{where}[{k}].image_url")
+            out.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        else:
+            raise errors.bad_request(f"{where}[{k}]: parts of type {part.get('type')!r} are not supported here "
+                                     f"({', '.join(TEXT_PARTS[:2])}, input_image)", f"{where}[{k}]")
+    return out
+
+
 def _field(item: dict, name: str, where: str) -> str:
     value = item.get(name)
     if not isinstance(value, str):
@@ -74,8 +97,8 @@ def _field(item: dict, name: str, where: str) -> str:
     return value
 
 
-def messages_of(body: ResponsesRequest) -> list[dict]:
-    """The chat messages of instructions and input."""
+def messages_of(body: ResponsesRequest, images: bool = False) -> list[dict]:
+    """The chat messages of instructions and input; images: the model reads input_image parts."""
     messages: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
     thinking = None  # a reasoning item's text, for the assistant turn after it
@@ -86,7 +109,11 @@ def messages_of(body: ResponsesRequest) -> list[dict]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise errors.bad_request(f"{where}.role: must be user, assistant, system or developer",
                                          f"{where}.role")
-            messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            content = item.get("content")
+            if images and role == "user" and _has_images(content):
+                messages.append({"role": role, "content": _parts(content, f"{where}.content")})
+            else:
+                messages.append({"role": role, "content": _text(content, f"{where}.content")})
         elif kind == "function_call":
             call = {"id": _field(item, "call_id", where), "type": "function", "function": {
                 "name": _field(item, "name", where), "arguments": _field(item, "arguments", where)}}
@@ -147,11 +174,11 @@ def _response_format(text: dict | None) -> dict:
     raise errors.bad_request("text.format.type: one of text, json_object, json_schema", "text.format.type")
 
 
-def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+def to_chat(body: ResponsesRequest, images: bool = False) -> ChatCompletionRequest:
     if body.previous_response_id is not None:
         raise errors.bad_request("previous_response_id: this server keeps no responses: send the whole "
                                  "conversation in `input`", "previous_response_id")
-    chat = {"model": body.model, "messages": messages_of(body), "stream": body.stream, **_tools(body),
+    chat = {"model": body.model, "messages": messages_of(body, images), "stream": body.stream, **_tools(body),
             **_response_format(body.text)}
     for name, value in (("max_completion_tokens", body.max_output_tokens), ("temperature", body.temperature),
                         ("top_p", body.top_p), ("user", body.user), ("metadata", body.metadata),
@@ -170,6 +197,6 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
 @router.post("/v1/responses", responses=GENERATION_RESPONSES)
 async def responses(body: ResponsesRequest, request: Request, tenant: Annotated[Tenant, Depends(tenant_of)]):
     gateway = gateway_of(request)
-    prepared = await gateway.prepare_chat(to_chat(body), tenant)
+    prepared = await gateway.prepare_chat(to_chat(body, getattr(gateway.backend, "images", None) is not None), tenant)
     await gateway.admit(prepared)
     return ResponsesResponse(gateway, prepared, body.model_dump(exclude={"input", "stream", "include"}))
