@@ -79,6 +79,20 @@ def test_preempted_sequences_recompute_their_images(llava):
     assert engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_samples_share_their_images_under_async_scheduling(llava, prefix_caching):
+    # n=2: sample 1 reuses sample 0's cached blocks, or (no prefix cache) recomputes from the shared features.
+    ids, pv = hf_inputs(llava, TEXT, [image(1), image(2)])
+    ref = hf_greedy(llava, ids, pv, MAX_NEW)
+    engine = make_engine(llava, async_scheduling=True, enable_prefix_caching=prefix_caching, max_num_batched_tokens=24)
+    engine.add_request(prompt_of(ids, pv), SamplingParams(n=2, temperature=0, max_tokens=MAX_NEW, ignore_eos=True), "n2")
+    out: dict[int, list[int]] = {0: [], 1: []}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.index] += o.new_token_ids
+    assert out == {0: ref, 1: ref}
+
+
 @pytest.mark.parametrize("strategy,layers", [("full", [-3, -1])])
 def test_feature_strategy_and_layers_follow_the_config(tmp_path, strategy, layers):
     path = save_tiny_llava(tmp_path, strategy=strategy, feature_layer=layers)
