@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from kvrelay.engine.model_config import ModelConfig, rope_cos_sin_cache
+from kvrelay.engine.multimodal.mrope import mixed_cos_sin
 from kvrelay.engine.parallel.layers import all_reduce, gather_vocab_logits, vocab_parallel_embedding
 from kvrelay.engine.parallel.state import get_parallel_state
 from kvrelay.engine.rope import rope_cos_sin_table
@@ -37,6 +38,10 @@ class StepBatch:
     # their placeholder token's embedding (kvrelay.engine.multimodal); None: no image in the step.
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    # M-RoPE (Qwen2-VL, kvrelay.engine.multimodal.mrope): rows whose (time, height, width) positions
+    # differ [rows], and those positions [3, rows]; every other row's position is its rotary one.
+    rope_rows: torch.Tensor | None = None
+    rope_positions: torch.Tensor | None = None
 
 
 class DecoderModel:
@@ -88,6 +93,7 @@ class DecoderModel:
         self.adapters = None  # the LoRA adapters served (kvrelay.engine.lora.stacked.LoRASet), if any
         self.lora_plan = None  # the step's StepBatch.lora, while run_layers runs
         self.pooling = False  # a pooling engine's model: compute_logits returns the normed hidden rows
+        self.step_rope = None  # (positions, table) replacing the rotary table for one step (M-RoPE)
 
     def _linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         if lin.scale is not None:
@@ -114,7 +120,14 @@ class DecoderModel:
         hidden = self.embed(batch.input_ids)
         if batch.image_rows is not None:
             hidden.index_copy_(0, batch.image_rows, batch.image_embeds.to(hidden.dtype))
-        hidden, residual = self.run_layers(batch, kv_cache, hidden, None)
+        if batch.rope_rows is not None:  # image rows rotate by a cos/sin row of their own
+            table = self.cos_sin_cache[batch.positions]
+            table[batch.rope_rows] = mixed_cos_sin(self.cos_sin_cache, batch.rope_positions, self.config.mrope_section)
+            self.step_rope = (torch.arange(table.shape[0], device=table.device), table)
+        try:
+            hidden, residual = self.run_layers(batch, kv_cache, hidden, None)
+        finally:
+            self.step_rope = None
         logits = self.compute_logits(batch, hidden, residual)
         self.end_step()
         return logits
@@ -179,6 +192,8 @@ class DecoderModel:
             q = ops.rms_norm(q, lw.q_norm, eps)
             k = ops.rms_norm(k, lw.k_norm, eps)
         rope = self.local_cos_sin_cache if "window" in self.attn_kwargs[layer_idx] else self.cos_sin_cache
+        if self.step_rope is not None:  # this step's own table, one row per token (M-RoPE)
+            positions, rope = self.step_rope
         if ops.rotary_and_write_kv is not None:  # one launch (Triton)
             q, k = ops.rotary_and_write_kv(positions, q, k, v, rope, kv_cache[layer_idx, 0], kv_cache[layer_idx, 1],
                                            slot_mapping)

@@ -54,6 +54,9 @@ class ModelConfig:
     moe: Any = None
     # Sequence classifiers (architectures/classify.py): the head's labels; 0 for every other model.
     num_labels: int = 0
+    # Qwen2-VL's multimodal rotary (M-RoPE): how many frequencies take each of the (time, height, width)
+    # positions (kvrelay.engine.multimodal.mrope); None: one position per token.
+    mrope_section: tuple[int, ...] | None = None
 
     @property
     def q_size(self) -> int:

@@ -51,19 +51,35 @@ class ImageProcessor:
                 f"messages: the chat template placed {markers} image markers for {len(pictures)} images: this "
                 "model's template does not show images where the messages put them", "messages")
         try:
-            pixels = self.processor(pictures, return_tensors="pt")["pixel_values"]
+            out = self.processor(pictures, return_tensors="pt")
         except (ValueError, TypeError) as e:  # e.g. an image with a zero side
             raise errors.bad_request(f"{fields[0] if len(fields) == 1 else 'messages'}: the image processor "
                                      f"refused the image: {e}", "messages") from e
-        hashes = tuple(hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest() for p in pixels)
-        return ImagePrompt(self.expand(ids), ImageInputs(pixels.float(), hashes))
+        pixels, grid = out["pixel_values"].float(), out.get("image_grid_thw")
+        if grid is None:  # one [C, H, W] per image
+            per_image, counts = list(pixels), [self.cfg.tokens_per_image] * len(pictures)
+        else:  # Qwen2-VL: each image's patches, as many as its grid has
+            per_image = pixels.split(grid.prod(-1).tolist())
+            counts = (grid.prod(-1) // self.cfg.spatial_merge**2).tolist()
+        hashes = tuple(hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest() for p in per_image)
+        return ImagePrompt(self.expand(ids, counts), ImageInputs(pixels, hashes, grid))
 
-    def expand(self, ids: list[int]) -> list[int]:
-        """Each image marker repeated into the run of placeholders its features fill."""
-        token, n = self.cfg.image_token_id, self.cfg.tokens_per_image
+    def expand(self, ids: list[int], counts: list[int] | None = None) -> list[int]:
+        """Each image marker repeated into the run of placeholders its features fill: counts, one per
+        marker in order (None: the model's fixed count; a model whose count follows the image's size
+        cannot count without it)."""
+        token = self.cfg.image_token_id
+        if counts is None:
+            markers = sum(1 for t in ids if t == token)
+            if markers and self.cfg.tokens_per_image is None:
+                raise errors.bad_request("messages: this model's images take as many tokens as their size asks: "
+                                         "they are counted where the images are read (usage.prompt_tokens)",
+                                         "messages")
+            counts = [self.cfg.tokens_per_image] * markers
+        it = iter(counts)
         out: list[int] = []
         for t in ids:
-            out.extend([t] * n if t == token else (t,))
+            out.extend([t] * next(it) if t == token else (t,))
         return out
 
 

@@ -1,5 +1,5 @@
-"""Vision-language models (kvrelay.engine.multimodal): a tiny LLaVA's greedy tokens equal
-transformers' for prompts with images, through chunked prefill that cuts images, the prefix cache
+"""Vision-language models (kvrelay.engine.multimodal): a tiny LLaVA's, Qwen2-VL's and Qwen2.5-VL's greedy
+tokens equal transformers' for prompts with images, through chunked prefill that cuts images, the prefix cache
 and preemption; and the checks on what a prompt's images must match."""
 
 from __future__ import annotations
@@ -11,7 +11,16 @@ from helpers import make_engine
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.multimodal.inputs import ImageInputs, ImagePrompt
 from kvrelay.engine.sampling_params import SamplingParams
-from vision_models import TOKENS_PER_IMAGE, hf_greedy, hf_inputs, image, save_tiny_llava
+from vision_models import (
+    TOKENS_PER_IMAGE,
+    hf_greedy,
+    hf_inputs,
+    hf_qwen_greedy,
+    image,
+    qwen_inputs,
+    save_tiny_llava,
+    save_tiny_qwen_vl,
+)
 
 from kvrelay.models import BUNDLED_MODEL
 
@@ -140,3 +149,58 @@ def image_pixels():
 def test_unsupported_settings_are_refused_at_start(llava, settings, message):
     with pytest.raises(ValueError, match=f"vision-language model.*{message}"):
         make_engine(llava, **settings)
+
+
+# ---- Qwen2-VL and Qwen2.5-VL: a variable number of features per image, M-RoPE positions -------------
+
+QWEN_TEXT = ("user: Once upon a time <|vision_start|><|image_pad|><|vision_end|> there was "
+             "<|vision_start|><|image_pad|><|vision_end|> a\nassistant:")
+SIZES = [(60, 90), (100, 50)]  # 6 and 8 features: grids (1, 6, 4) and (1, 4, 8)
+
+
+@pytest.fixture(scope="module", params=["2", "2.5"])
+def qwen_vl(request, tmp_path_factory):
+    return save_tiny_qwen_vl(tmp_path_factory.mktemp(f"qwen{request.param}-vl"), request.param)
+
+
+def qwen_prompt(enc) -> ImagePrompt:
+    pv = enc["pixel_values"]
+    return ImagePrompt(enc["input_ids"][0].tolist(), ImageInputs(pv, (hashlib.sha256(pv.numpy().tobytes()).hexdigest(),),
+                                                                 enc["image_grid_thw"]))
+
+
+def test_qwen_vl_greedy_equals_transformers(qwen_vl):
+    cases = [qwen_inputs(qwen_vl, QWEN_TEXT, [image(1, SIZES[0]), image(2, SIZES[1])]),
+             qwen_inputs(qwen_vl, QWEN_TEXT, [image(3, SIZES[0]), image(2, SIZES[1])])]
+    refs = [hf_qwen_greedy(qwen_vl, enc, MAX_NEW) for enc in cases]
+    assert refs[0] != refs[1]
+    # 16-token chunks cut the images; the second prompt's ids equal the first's (no cache reuse).
+    engine = make_engine(qwen_vl, max_num_batched_tokens=16)
+    assert engine.config.mrope_section == (1, 2, 1)
+    assert run(engine, [qwen_prompt(cases[0])]) == [refs[0]]
+    assert run(engine, [qwen_prompt(cases[1])]) == [refs[1]]
+    # Text alone rotates as plain rope (its three positions are equal).
+    text = qwen_inputs(qwen_vl, "user: Once upon a time\nassistant:", [])
+    assert run(engine, [text["input_ids"][0].tolist()]) == [hf_qwen_greedy(qwen_vl, text, MAX_NEW)]
+
+
+def test_qwen_vl_preempted_sequences_recompute_their_positions(qwen_vl):
+    cases = [qwen_inputs(qwen_vl, QWEN_TEXT, [image(10 + i, SIZES[i % 2]), image(20 + i, SIZES[1 - i % 2])])
+             for i in range(3)]
+    refs = [hf_qwen_greedy(qwen_vl, enc, 40) for enc in cases]
+    # 8 blocks of 16 tokens: three 43-token prompts growing to 83 cannot all stay.
+    engine = make_engine(qwen_vl, num_kv_blocks=8, block_size=16, max_num_batched_tokens=64, max_model_len=128,
+                         enable_prefix_caching=False, async_scheduling=True)
+    assert run(engine, [qwen_prompt(c) for c in cases], max_tokens=40) == refs
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_qwen_vl_images_need_their_grids(qwen_vl):
+    engine = make_engine(qwen_vl)
+    enc = qwen_inputs(qwen_vl, QWEN_TEXT, [image(1, SIZES[0]), image(2, SIZES[1])])
+    ids, pv = enc["input_ids"][0].tolist(), enc["pixel_values"]
+    with pytest.raises(InvalidRequestError, match="patch grids"):
+        engine.add_request(ImagePrompt(ids, ImageInputs(pv, ("x",))), SamplingParams(max_tokens=2), "no-grid")
+    with pytest.raises(InvalidRequestError, match="holds 6 image placeholder tokens.*take 14 \\(6, 8\\)"):
+        engine.add_request(ImagePrompt(ids[:-20], ImageInputs(pv, ("x",), enc["image_grid_thw"])),
+                           SamplingParams(max_tokens=2), "cut")

@@ -87,3 +87,84 @@ def hf_greedy(path: Path, ids: list[int], pixel_values, max_new_tokens: int) -> 
         out = model.generate(input_ids=torch.tensor([ids]), pixel_values=pixel_values, do_sample=False,
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0)
     return out[0, len(ids):].tolist()
+
+
+QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN_TEMPLATE = CHAT_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def save_tiny_qwen_vl(path: Path, version: str = "2") -> Path:
+    """A tiny Qwen2-VL (version "2") or Qwen2.5-VL ("2.5"): a random vision transformer (14 px patches,
+    2x2 merge) in front of the bundled model's weights as a Qwen2 decoder (q/k/v biases zero), with
+    M-RoPE sections [1, 2, 1] of its 4 frequencies at rope_theta 10 (so height and width turn enough to
+    matter), and the model's image processor (4-16 features per image)."""
+    import transformers
+
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(BUNDLED_MODEL)
+    tok.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS)})
+    ids = dict(zip(QWEN_TOKENS, tok.convert_tokens_to_ids(list(QWEN_TOKENS))))
+    stories = transformers.LlamaForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32)
+    s = stories.config
+    text = {"vocab_size": len(tok), "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
+            "num_hidden_layers": s.num_hidden_layers, "num_attention_heads": s.num_attention_heads,
+            "num_key_value_heads": s.num_key_value_heads, "max_position_embeddings": 512, "rms_norm_eps": s.rms_norm_eps,
+            "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10.0, "mrope_section": [1, 2, 1]}}
+    common = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+              "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+              "tie_word_embeddings": True}
+    if version == "2":
+        vision = {"depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_ratio": 2, "hidden_size": s.hidden_size,
+                  "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **common)
+        model_cls = transformers.Qwen2VLForConditionalGeneration
+    else:
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": s.hidden_size,
+                  "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                  "fullatt_block_indexes": [1]}
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
+        model_cls = transformers.Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(11)
+    model = model_cls(config).eval()
+    decoder = model.model.language_model
+    stories.resize_token_embeddings(len(tok), mean_resizing=False)
+    state = stories.model.state_dict()
+    with torch.no_grad():
+        for name, p in decoder.named_parameters():
+            p.copy_(state[name] if name in state else torch.zeros_like(p))  # the q/k/v biases: zero
+        for p in model.model.visual.merger.parameters():  # larger merger weights: the images steer the decoder
+            p.mul_(8)
+    model.save_pretrained(path)
+    # The image processor and tokenizer, not Qwen2VLProcessor (its video half needs torchvision).
+    transformers.Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(path)
+    tok.chat_template = QWEN_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+def qwen_inputs(path: Path, text: str, pictures: list) -> dict:
+    """What Qwen2VLProcessor gives: input_ids with each <|image_pad|> repeated to its image's merged
+    patches, pixel_values, image_grid_thw, mm_token_type_ids."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    enc = {"input_ids": tok(text, return_tensors="pt")["input_ids"]}
+    if pictures:
+        enc |= transformers.AutoImageProcessor.from_pretrained(path)(pictures, return_tensors="pt")
+        counts = iter((enc["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [t for i in enc["input_ids"][0].tolist() for t in ([i] * next(counts) if i == pad else [i])]
+        enc["input_ids"] = torch.tensor([ids])
+    enc["mm_token_type_ids"] = (enc["input_ids"] == pad).int()
+    enc["attention_mask"] = torch.ones_like(enc["input_ids"])
+    return enc
+
+
+def hf_qwen_greedy(path: Path, enc: dict, max_new_tokens: int) -> list[int]:
+    import transformers
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             pad_token_id=0)
+    return out[0, enc["input_ids"].shape[1]:].tolist()

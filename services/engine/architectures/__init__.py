@@ -4,7 +4,8 @@ family's config onto the decoder's building blocks and its checkpoint names onto
 Built in: Llama, Mistral, Qwen2, Qwen3 (llama.py), Gemma 2 and Gemma 3 text (gemma.py), Phi-3
 (phi3.py), the mixture-of-experts families Mixtral (mixtral.py), Qwen2-MoE and Qwen3-MoE
 (qwen_moe.py) over the shared sparse block (moe.py), the Llama family's sequence classifiers
-(classify.py), and LLaVA's decoder (llava.py; its vision half is kvrelay.engine.multimodal).
+(classify.py), and the decoders of LLaVA (llava.py) and Qwen2-VL / Qwen2.5-VL (qwen2_vl.py), whose
+vision half is kvrelay.engine.multimodal.
 Plugins add more through the `kvrelay.architectures` entry-point group (kvrelay.plugins); a name
 registered twice is an error.
 """
@@ -59,9 +60,9 @@ def lookup(names: list[str], source: str = "config.json") -> Architecture:
 
 
 def _register_builtins() -> None:
-    from kvrelay.engine.architectures import classify, gemma, llama, llava, mixtral, phi3, qwen_moe
+    from kvrelay.engine.architectures import classify, gemma, llama, llava, mixtral, phi3, qwen2_vl, qwen_moe
 
-    for module in (llama, gemma, phi3, mixtral, qwen_moe, classify, llava):
+    for module in (llama, gemma, phi3, mixtral, qwen_moe, classify, llava, qwen2_vl):
         for arch in module.ARCHITECTURES:
             register(arch)
 

@@ -1,10 +1,12 @@
-"""Vision-language models (LLaVA): images in chat prompts.
+"""Vision-language models (LLaVA, Qwen2-VL, Qwen2.5-VL): images in chat prompts.
 
 - config.py: what config.json says about images (the placeholder token, tokens per image).
 - processor.py: the API side: images decoded, turned into pixels by the model's own image
   processor (transformers), and the prompt's placeholders expanded: an ImagePrompt.
 - inputs.py: ImagePrompt, and the images a sequence carries in the engine.
-- encoder.py: the vision tower and projector, run at an image's first prefill chunk.
+- encoder.py: LLaVA's vision tower and projector; qwen_vision.py: Qwen2-VL's vision transformer;
+  each runs at an image's first prefill chunk.
+- mrope.py: Qwen2-VL's multimodal rotary positions (time, height, width per image feature).
 
 The decoder runs as the text model it is; a prefill chunk's placeholder rows take the image
 features in place of the token embedding (StepBatch.image_rows), as transformers' masked scatter
@@ -24,7 +26,7 @@ __all__ = ["VisionConfig", "VisionEncoder", "load_vision", "read_vision_config"]
 
 
 def load_vision(args, model_dir: Path, config, dtype: torch.dtype, device: torch.device, *,
-                parallel: bool, speculative: bool, pooling: bool) -> VisionEncoder | None:
+                parallel: bool, speculative: bool, pooling: bool):
     """The model's vision encoder; None for a text-only model. Raises ValueError for engine settings
     that do not run images yet."""
     cfg = read_vision_config(model_dir)
@@ -41,4 +43,9 @@ def load_vision(args, model_dir: Path, config, dtype: torch.dtype, device: torch
     if not 0 <= cfg.image_token_id < config.vocab_size:
         raise ValueError(f"{model_dir}: image_token_id {cfg.image_token_id} is outside the decoder's vocabulary "
                          f"({config.vocab_size})")
-    return VisionEncoder(cfg, model_dir, config.hidden_size, dtype, device, dummy=args.load_format == "dummy")
+    dummy = args.load_format == "dummy"
+    if cfg.qwen:
+        from kvrelay.engine.multimodal.qwen_vision import QwenVisionEncoder
+
+        return QwenVisionEncoder(cfg, model_dir, dtype, device, dummy)
+    return VisionEncoder(cfg, model_dir, config.hidden_size, dtype, device, dummy=dummy)

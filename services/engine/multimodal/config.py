@@ -9,7 +9,9 @@ from pathlib import Path
 
 from kvrelay.engine.errors import ModelLoadError
 
-VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+LLAVA = ("LlavaForConditionalGeneration",)
+QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+VISION_LANGUAGE_ARCHITECTURES = LLAVA + QWEN_VL
 # Vision towers with a fixed image size (one image, one run of placeholder tokens); the class token
 # they prepend, if any.
 VISION_TOWERS = {"clip_vision_model": 1, "siglip_vision_model": 0}
@@ -19,12 +21,21 @@ VISION_TOWERS = {"clip_vision_model": 1, "siglip_vision_model": 0}
 class VisionConfig:
     architecture: str
     image_token_id: int
-    tokens_per_image: int  # placeholder tokens of one image in the prompt (its projected features)
-    feature_layers: tuple[int, ...]  # hidden states read (concatenated when several)
-    drop_class_token: bool  # vision_feature_select_strategy "default": the first feature is dropped
-    projector_act: str
-    image_size: int
+    # Placeholder tokens of one image in the prompt (its projected features); None: by the image's
+    # size (Qwen2-VL: its patch grid over spatial_merge squared).
+    tokens_per_image: int | None
     vision: dict  # config.json's vision_config, for the tower's own config class
+    # LLaVA's tower and projector
+    feature_layers: tuple[int, ...] = ()  # hidden states read (concatenated when several)
+    drop_class_token: bool = False  # vision_feature_select_strategy "default": the first feature is dropped
+    projector_act: str = "gelu"
+    image_size: int = 0
+    # Qwen2-VL: patches merged per feature along each side
+    spatial_merge: int = 1
+
+    @property
+    def qwen(self) -> bool:
+        return self.architecture in QWEN_VL
 
     @property
     def pixel_shape(self) -> tuple[int, int, int]:
@@ -39,6 +50,11 @@ def read_vision_config(model_dir: Path) -> VisionConfig | None:
     if arch is None:
         return None
     vision = raw.get("vision_config") or {}
+    if arch in QWEN_VL:
+        token = raw.get("image_token_id", (raw.get("text_config") or {}).get("image_token_id"))
+        if not isinstance(token, int):
+            raise ModelLoadError(f"{path}: a Qwen2-VL config needs image_token_id")
+        return VisionConfig(arch, token, None, vision, spatial_merge=int(vision.get("spatial_merge_size", 2)))
     tower = vision.get("model_type", "clip_vision_model")
     if tower not in VISION_TOWERS:
         raise ModelLoadError(f"{path}: vision_config.model_type {tower!r} is not supported; supported: "
@@ -53,5 +69,5 @@ def read_vision_config(model_dir: Path) -> VisionConfig | None:
         raise ModelLoadError(f"{path}: a vision-language config needs image_token_id (or image_token_index)")
     image_size, patch = int(vision.get("image_size", 224)), int(vision.get("patch_size", 32))
     tokens = (image_size // patch) ** 2 + VISION_TOWERS[tower] - (strategy == "default")
-    return VisionConfig(arch, token, tokens, layers, strategy == "default", raw.get("projector_hidden_act", "gelu"),
-                        image_size, vision | {"model_type": tower})
+    return VisionConfig(arch, token, tokens, vision | {"model_type": tower}, layers, strategy == "default",
+                        raw.get("projector_hidden_act", "gelu"), image_size)

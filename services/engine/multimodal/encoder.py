@@ -26,7 +26,7 @@ TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.")
 PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
 
 
-def _transformers():
+def require_transformers():
     try:
         import transformers
     except ImportError as e:
@@ -35,10 +35,43 @@ def _transformers():
     return transformers
 
 
+def _finder(model_dir: Path, files: dict[str, Path]):
+    def find(prefixes: tuple[str, ...], key: str, inner: tuple[str, ...] = ("",)) -> str:
+        for p in prefixes:
+            for mid in inner:
+                if p + mid + key in files:
+                    return p + mid + key
+        raise ModelLoadError(f"{model_dir}: the vision-language checkpoint has no tensor for {prefixes[0]}{key}")
+
+    return find
+
+
+def _reader(files: dict[str, Path]):
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(files[name]), framework="pt") as st:
+            return st.get_tensor(name)
+
+    return read
+
+
+def load_module(module: torch.nn.Module, model_dir: Path, files: dict[str, Path], prefixes: tuple[str, ...],
+                inner: tuple[str, ...] = ("",)) -> None:
+    """Every tensor of module's state dict from the checkpoint, stored as <prefix><inner><key>."""
+    find, read = _finder(model_dir, files), _reader(files)
+    state = {}
+    for key, param in module.state_dict().items():
+        t = read(find(prefixes, key, inner))
+        if t.shape != param.shape:
+            raise ModelLoadError(f"{model_dir}: vision tensor {key!r} has shape {list(t.shape)}, expected "
+                                 f"{list(param.shape)} from vision_config")
+        state[key] = t
+    module.load_state_dict(state)
+
+
 class VisionEncoder:
     def __init__(self, cfg: VisionConfig, model_dir: Path, text_hidden: int, dtype: torch.dtype,
                  device: torch.device, dummy: bool = False):
-        transformers = _transformers()
+        transformers = require_transformers()
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -57,27 +90,9 @@ class VisionEncoder:
 
     def _load(self, model_dir: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         files = shard_files(model_dir)
-
-        def find(prefixes: tuple[str, ...], key: str, inner: tuple[str, ...] = ("",)) -> str:
-            for p in prefixes:
-                for mid in inner:
-                    if p + mid + key in files:
-                        return p + mid + key
-            raise ModelLoadError(f"{model_dir}: the vision-language checkpoint has no tensor for {prefixes[0]}{key}")
-
-        def read(name: str) -> torch.Tensor:
-            with safe_open(str(files[name]), framework="pt") as st:
-                return st.get_tensor(name)
-
-        state = {}
-        for key, param in self.tower.state_dict().items():
-            # transformers saves CLIP's tower as vision_tower.<key>; older checkpoints as vision_tower.vision_model.<key>
-            t = read(find(TOWER_PREFIXES, key, ("", "vision_model.")))
-            if t.shape != param.shape:
-                raise ModelLoadError(f"{model_dir}: vision tower tensor {key!r} has shape {list(t.shape)}, "
-                                     f"expected {list(param.shape)} from vision_config")
-            state[key] = t
-        self.tower.load_state_dict(state)
+        # transformers saves CLIP's tower as vision_tower.<key>; older checkpoints as vision_tower.vision_model.<key>
+        load_module(self.tower, model_dir, files, TOWER_PREFIXES, ("", "vision_model."))
+        find, read = _finder(model_dir, files), _reader(files)
         proj = {}
         for key, shape in shapes.items():
             t = read(find(PROJECTOR_PREFIXES, key))
@@ -91,7 +106,7 @@ class VisionEncoder:
         return proj
 
     @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """Features of a prompt's images, in order: [images * tokens_per_image, text hidden]."""
         out = self.tower(pixel_values.to(device=self.device, dtype=self.dtype), output_hidden_states=True)
         layers = [out.hidden_states[i] for i in self.cfg.feature_layers]

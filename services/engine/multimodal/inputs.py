@@ -13,12 +13,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from kvrelay.engine.multimodal.mrope import mrope_positions
 
 
 @dataclass(frozen=True)
 class ImageInputs:
-    pixel_values: torch.Tensor  # [images, channels, height, width] float32, as the image processor made them
+    # As the image processor made them, float32: [images, channels, height, width] (LLaVA), or every
+    # image's flattened patches [patches, channels * 2 * 14 * 14] (Qwen2-VL).
+    pixel_values: torch.Tensor
     hashes: tuple[str, ...]  # per image, of its pixels: prompts share cached K/V only with the same images
+    grid_thw: torch.Tensor | None = None  # Qwen2-VL: each image's patch grid [images, 3]
 
 
 class ImagePrompt(list):
@@ -37,6 +41,11 @@ class SequenceImages:
     pixel_values: torch.Tensor | None
     positions: np.ndarray  # int64, ascending: the prompt positions of the placeholder tokens
     embeds: torch.Tensor | None = None  # [len(positions), hidden], the projected features in order
+    grid_thw: torch.Tensor | None = None  # Qwen2-VL: the images' patch grids, for the tower
+    # Qwen2-VL (mrope.py): the prompt's rotary positions [3, prompt_len] and, past the prompt, the
+    # offset of rotary position from token position; None without M-RoPE.
+    rope: np.ndarray | None = None
+    rope_delta: int = 0
 
     def pending(self, num_computed: int) -> bool:
         """Placeholders at or after num_computed still need their features."""
@@ -70,16 +79,34 @@ def prompt_images(encoder, prompt, ids: list[int]) -> SequenceImages | None:
             raise InvalidRequestError("this model takes text only: it cannot read images", field="messages")
         return None
     cfg = encoder.cfg
-    positions = np.flatnonzero(np.asarray(ids, dtype=np.int64) == cfg.image_token_id)
-    n = 0 if images is None else images.pixel_values.shape[0]
-    if len(positions) != n * cfg.tokens_per_image:
+    array = np.asarray(ids, dtype=np.int64)
+    positions = np.flatnonzero(array == cfg.image_token_id)
+    counts = [] if images is None else image_token_counts(cfg, images)
+    if len(positions) != sum(counts):
         raise InvalidRequestError(
-            f"prompt: holds {len(positions)} image placeholder tokens (id {cfg.image_token_id}), but its {n} "
-            f"image(s) take {n * cfg.tokens_per_image} ({cfg.tokens_per_image} each): send images as chat "
-            "content parts and do not cut the prompt inside an image", field="prompt")
-    if n == 0:
+            f"prompt: holds {len(positions)} image placeholder tokens (id {cfg.image_token_id}), but its "
+            f"{len(counts)} image(s) take {sum(counts)} ({', '.join(map(str, counts)) or 'none'}): send images as "
+            "chat content parts and do not cut the prompt inside an image", field="prompt")
+    if not counts:
         return None
+    if cfg.qwen:
+        grids = [tuple(g) for g in images.grid_thw.tolist()]
+        rope, delta = mrope_positions(array, cfg.image_token_id, grids, cfg.spatial_merge)
+        return SequenceImages(images.pixel_values, positions, grid_thw=images.grid_thw, rope=rope, rope_delta=delta)
     if tuple(images.pixel_values.shape[1:]) != cfg.pixel_shape:
         raise InvalidRequestError(f"images: pixel values of shape {list(images.pixel_values.shape[1:])}, but the "
                                   f"vision tower takes {list(cfg.pixel_shape)}", field="messages")
     return SequenceImages(images.pixel_values, positions)
+
+
+def image_token_counts(cfg, images: ImageInputs) -> list[int]:
+    """Placeholder tokens per image: fixed (LLaVA), or each grid's t*h*w over the merge squared (Qwen2-VL)."""
+    from kvrelay.engine.errors import InvalidRequestError
+
+    if not cfg.qwen:
+        return [cfg.tokens_per_image] * images.pixel_values.shape[0]
+    grid = images.grid_thw
+    if grid is None or grid.ndim != 2 or grid.shape[1] != 3 or int(grid.prod(-1).sum()) != images.pixel_values.shape[0]:
+        raise InvalidRequestError("images: Qwen2-VL images need their patch grids (image_grid_thw), one row per "
+                                  "image, covering every patch of pixel_values", field="messages")
+    return (grid.prod(-1) // cfg.spatial_merge**2).tolist()

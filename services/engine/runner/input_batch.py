@@ -16,6 +16,7 @@ import torch
 from kvrelay.engine.lora.stacked import step_plan
 from kvrelay.engine.model import StepBatch
 from kvrelay.engine.multimodal.inputs import image_rows
+from kvrelay.engine.multimodal.mrope import rope_rows
 from kvrelay.engine.sequence import Sequence, Status
 
 _ALIGN = 16  # bytes: every typed region starts aligned for int64 views
@@ -137,14 +138,15 @@ class InputBatch:
     def build(self, seqs: list[Sequence], num_new: list[int], pad_decode_to: int | None = None,
               all_logits: frozenset[int] = frozenset(), prompt_rows: frozenset[int] = frozenset(),
               token_src: dict[int, int] | None = None, adapters: list[int] | None = None,
-              images: list[int] | None = None) -> BuiltStep:
+              images: list[int] | None = None, rope: list[int] | None = None) -> BuiltStep:
         """pad_decode_to: a decode-only step padded to this many rows (CUDA graph buckets); padding
         rows write no K/V (slot -1) and attend to nothing (length 0). all_logits: indices of seqs
         whose every new token gets a row of logits (speculative verification), not only the last.
         token_src: index in seqs -> index in the previous step's sampled tokens, for decodes whose
         input token the host does not know yet (see BuiltStep.token_src). adapters: per sequence of
         seqs, its LoRA adapter's index or -1 (StepBatch.lora); None when none has one. images: indices
-        of seqs whose chunk may hold image placeholders (features made: StepBatch.image_rows)."""
+        of seqs whose chunk may hold image placeholders (features made: StepBatch.image_rows). rope:
+        indices of seqs with M-RoPE positions (kvrelay.engine.multimodal.mrope)."""
         bs = self.bs
         # Decode rows: single-token decodes, and the short extend chunks of speculative verification
         # (all_logits), one row per token: the row at position p attends to the cache up to p, which
@@ -266,6 +268,14 @@ class InputBatch:
         pqsl[1:] = np.cumsum(pre_counts)
         plen, plen_off = st.take(len(pre), np.int32)
         plen[:] = pre_starts + pre_counts
+        first_row = {}
+        if images or rope:
+            if all_logits:
+                raise ValueError("a step with images carries no speculative verification")
+            first_row = {i: r for r, i in enumerate(dec)} | dict(zip(pre, (nd + pad + np.cumsum(pre_counts) - pre_counts).tolist()))
+        mixed = None
+        if rope:  # before the send: the rows' positions become rotary positions
+            mixed = rope_rows(positions, [(seqs[i].images, seqs[i].num_computed, num_new[i], first_row[i]) for i in rope])
         src_off = None
         if token_src:
             if all_logits:
@@ -294,10 +304,10 @@ class InputBatch:
             per_token = np.concatenate([np.repeat(per_seq[dec], 1 if counts_dec is None else counts_dec),
                                         np.full(pad, -1, dtype=np.int64), np.repeat(per_seq[pre], pre_counts)])
             batch.lora = step_plan(per_token, self.device)
+        if mixed is not None:
+            batch.rope_rows = torch.from_numpy(mixed[0]).to(self.device)
+            batch.rope_positions = torch.from_numpy(mixed[1]).to(self.device)
         if images:
-            if all_logits:
-                raise ValueError("a step with images carries no speculative verification")
-            first_row = {i: r for r, i in enumerate(dec)} | dict(zip(pre, (nd + pad + np.cumsum(pre_counts) - pre_counts).tolist()))
             found = image_rows([(seqs[i].images, seqs[i].num_computed, num_new[i], first_row[i]) for i in images],
                                self.device)
             if found is not None:

@@ -74,24 +74,29 @@ class ModelRunner:
             meanwhile()
         return logits
 
-    def _images(self, seqs: list[Sequence]) -> list[int]:
-        """Indices of seqs whose step may reach image placeholders. Their images' features are made
-        here, at the first such step, in one batch for the step's new images (the vision tower runs
-        once per prompt; the n samples of a request share their images)."""
-        out, new = [], {}
+    def _images(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """Indices of seqs whose step may reach image placeholders, and of seqs with M-RoPE positions
+        (Qwen2-VL: every step of theirs). The images' features are made here, at the first step that
+        reaches them, in one batch for the step's new images (the vision tower runs once per prompt;
+        the n samples of a request share their images)."""
+        pending, rope, new = [], [], {}
         for i, s in enumerate(seqs):
             images = s.images
-            if images is not None and images.pending(s.num_computed):
+            if images is None:
+                continue
+            if images.rope is not None:
+                rope.append(i)
+            if images.pending(s.num_computed):
                 if images.embeds is None:
                     new[id(images)] = images
-                out.append(i)
+                pending.append(i)
         if new:
             fresh = list(new.values())
-            feats = self.vision.encode(torch.cat([im.pixel_values for im in fresh]))
-            per_image = feats.shape[0] // sum(im.pixel_values.shape[0] for im in fresh)
-            for im, part in zip(fresh, feats.split([im.pixel_values.shape[0] * per_image for im in fresh])):
+            grids = [im.grid_thw for im in fresh if im.grid_thw is not None]
+            feats = self.vision.encode(torch.cat([im.pixel_values for im in fresh]), torch.cat(grids) if grids else None)
+            for im, part in zip(fresh, feats.split([len(im.positions) for im in fresh])):
                 im.embeds, im.pixel_values = part, None
-        return out
+        return pending, rope
 
     def _graph_size(self, num_new: list[int]) -> int | None:
         if self.graphs is None or self.model.layer_hook is not None:  # the hook runs Python per layer
@@ -117,11 +122,13 @@ class ModelRunner:
         adapters = [s.lora for s in seqs] if self.has_lora else None
         if adapters is not None and all(k < 0 for k in adapters):
             adapters = None
-        images = self._images(seqs) if self.vision is not None else None
+        images, rope = self._images(seqs) if self.vision is not None else (None, None)
         size = None if all_logits or prompt_rows or adapters or images else self._graph_size(num_new)
         extra = {"prompt_rows": prompt_rows} if prompt_rows else {}  # the common call keeps build's old signature
         if images:
             extra["images"] = images
+        if rope:
+            extra["rope"] = rope
         if token_src:
             extra["token_src"] = token_src
         if adapters:

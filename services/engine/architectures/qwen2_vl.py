@@ -1,0 +1,45 @@
+"""Qwen2-VL and Qwen2.5-VL: a vision transformer whose merger emits a variable number of features
+per image (by its size), in front of a Qwen2 decoder with multimodal rotary positions (M-RoPE).
+
+As with LLaVA (llava.py), the decoder is its text architecture, Qwen2: this entry reads the text
+fields (`text_config`, or the top level in the hub's files) and returns Qwen2's ModelConfig with
+`mrope_section` set; the decoder's tensors sit under "model." as Qwen2's do. The vision half and the
+positions are kvrelay.engine.multimodal's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvrelay.engine.architectures.base import Architecture
+from kvrelay.engine.architectures.llava import _delegate
+from kvrelay.engine.errors import ModelLoadError
+from kvrelay.engine.model_config import ModelConfig
+
+
+def parse(raw: dict, source: str, arch: str) -> ModelConfig:
+    from kvrelay.engine.architectures import get
+
+    text = dict(raw.get("text_config") or raw)
+    text.setdefault("torch_dtype", raw.get("torch_dtype") or raw.get("dtype"))
+    key = "rope_parameters" if "rope_parameters" in text else "rope_scaling"
+    rope = dict(text.get(key) or {})
+    section = rope.pop("mrope_section", None)
+    if not section:
+        raise ModelLoadError(f"{source}: {arch} needs rope_parameters.mrope_section (M-RoPE)")
+    if rope.get("rope_type", rope.get("type")) in ("mrope", "default", None):
+        rope.pop("type", None)
+        rope["rope_type"] = "default"
+    text[key] = rope
+    inner = get("Qwen2ForCausalLM")
+    config = inner.parse_config(text, f"{source} (text)", inner.name)
+    if 2 * sum(section) != config.head_dim:
+        raise ModelLoadError(f"{source}: mrope_section {section} must sum to head_dim / 2 = {config.head_dim // 2}")
+    return dataclasses.replace(config, mrope_section=tuple(int(s) for s in section))
+
+
+ARCHITECTURES = [
+    Architecture(name=name, parse_config=parse, expected_shapes=_delegate("expected_shapes"),
+                 assemble=_delegate("assemble"))
+    for name in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+]
