@@ -149,3 +149,32 @@ def test_responses_api_input_image(server):
     r = client.responses.create(model="tiny-llava", input=[{"role": "user", "content": content}],
                                 max_output_tokens=MAX_NEW, temperature=0)
     assert r.output_text == chat.choices[0].message.content
+
+
+def test_qwen2_vl_chat_answers_as_transformers(tmp_path):
+    """Images of a size-dependent feature count (Qwen2-VL) through an in-process server."""
+    from gateway_helpers import InProcessGateway
+    from vision_models import hf_qwen_greedy, qwen_inputs, save_tiny_qwen_vl
+
+    path = save_tiny_qwen_vl(tmp_path / "tiny-qwen-vl", "2")
+    pictures = [image(1, (60, 90)), image(2, (100, 50))]
+    rendered = ("user: Once upon a time <|vision_start|><|image_pad|><|vision_end|> there was "
+                                  "<|vision_start|><|image_pad|><|vision_end|> a\nassistant:")
+    enc = qwen_inputs(path, rendered, pictures)
+    ids = enc["input_ids"][0].tolist()
+    out = hf_qwen_greedy(path, enc, MAX_NEW)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    want = tok.decode(ids + out, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)):]
+    gw = InProcessGateway(engine_kwargs={"model": str(path), "max_num_batched_tokens": 16})
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="tiny-qwen-vl", messages=story(*map(data_url, pictures)),
+                                           max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].message.content == want
+        assert r.usage.prompt_tokens == len(ids)  # 6 and 8 placeholders for these two sizes
+        counted = httpx.post(gw.url + "/tokenize", json={"model": "tiny-qwen-vl", "messages": story("a", "b")})
+        assert counted.status_code == 400 and "as their size asks" in counted.json()["error"]["message"]
+    finally:
+        gw.stop()
