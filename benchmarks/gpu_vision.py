@@ -1,10 +1,11 @@
-"""The device script's vision row (benchmarks/gpu_engine.py, parity section): a tiny LLaVA's greedy
-tokens with images, on the device (graphs on; steps with image rows run eagerly, in 24-token chunks
-that cut the images) against CPU torch. Built without Pillow (the device machine has none): random
-pixel values stand in for processed images.
+"""The device script's vision rows (benchmarks/gpu_engine.py, parity section): a tiny LLaVA's and a
+tiny Qwen2-VL's greedy tokens with images, on the device (graphs on; steps with image rows run
+eagerly, in 24-token chunks that cut the images; Qwen2-VL's decode graphs replay M-RoPE positions)
+against CPU torch. Built without Pillow (the device machine has none): random pixel values stand in
+for processed images.
 
-The model: a random CLIP tower (32 px, 8 px patches: 16 features per image) and projector in front
-of the bundled stories260K decoder, whose last vocabulary id stands for the image.
+The models: random vision towers in front of the bundled stories260K decoder, whose last vocabulary
+id stands for the image.
 """
 
 from __future__ import annotations
@@ -39,6 +40,57 @@ def save_device_llava(path: Path) -> Path:
     return path
 
 
+def save_device_qwen_vl(path: Path) -> Path:
+    """A tiny Qwen2-VL: a random vision transformer (14 px patches, 2x2 merge) in front of the bundled
+    decoder's weights as Qwen2 (q/k/v biases zero), M-RoPE sections [1, 2, 1] at rope_theta 10."""
+    import torch
+    import transformers
+
+    from kvrelay.models import BUNDLED_MODEL
+
+    stories = transformers.LlamaForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32)
+    s = stories.config
+    text = {"vocab_size": s.vocab_size, "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
+            "num_hidden_layers": s.num_hidden_layers, "num_attention_heads": s.num_attention_heads,
+            "num_key_value_heads": s.num_key_value_heads, "max_position_embeddings": 512, "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10.0, "mrope_section": [1, 2, 1]}}
+    vision = {"depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_ratio": 2, "hidden_size": s.hidden_size,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                                        video_token_id=IMAGE_TOKEN - 1, vision_start_token_id=IMAGE_TOKEN - 2,
+                                        vision_end_token_id=IMAGE_TOKEN - 3, tie_word_embeddings=True)
+    torch.manual_seed(5)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    state = stories.model.state_dict()
+    with torch.no_grad():
+        for name, p in model.model.language_model.named_parameters():
+            p.copy_(state[name] if name in state else torch.zeros_like(p))
+        for p in model.model.visual.merger.parameters():
+            p.mul_(8)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(BUNDLED_MODEL / name, path / name)
+    return path
+
+
+def qwen_prompts(texts: list[str], seed: int) -> list:
+    """Each text, one image of a (1, 4, 6) patch grid (6 features), then " and then"."""
+    import torch
+    from kvrelay.engine.multimodal.inputs import ImageInputs, ImagePrompt
+    from kvrelay.engine.tokenizer import Tokenizer
+
+    from kvrelay.models import BUNDLED_MODEL
+
+    tok = Tokenizer(BUNDLED_MODEL)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for k, text in enumerate(texts):
+        ids = tok.encode_prompt(text) + [IMAGE_TOKEN] * 6 + tok.encode_plain(" and then", False)
+        pixels = torch.randn(24, 3 * 2 * 14 * 14, generator=gen)
+        out.append(ImagePrompt(ids, ImageInputs(pixels, (f"q{seed}-{k}",), torch.tensor([[1, 4, 6]]))))
+    return out
+
+
 def image_prompts(texts: list[str], seed: int) -> list:
     """Each text, one image's placeholders, then " and then": ImagePrompts with random pixels."""
     import torch
@@ -58,16 +110,18 @@ def image_prompts(texts: list[str], seed: int) -> list:
 
 
 def parity_vision(rep, device: str, engine_for, greedy_tokens, texts: list[str], tmp: Path) -> None:
+    """Rows parity_vision (LLaVA) and parity_vision_mrope (Qwen2-VL: decode graphs replay M-RoPE positions)."""
     n = 24
-    path = save_device_llava(tmp / "llava")
-    prompts, others = image_prompts(texts, 0), image_prompts(texts, 1)
-    want = greedy_tokens(engine_for(path, "cpu", kernel_backend="torch"), prompts, n)
-    changed = sum(a != b for a, b in zip(want, greedy_tokens(engine_for(path, "cpu", kernel_backend="torch"),
-                                                              others, n)))
-    engine = engine_for(path, device, kv_cache_memory=64 * 2**20, max_num_seqs=16, max_num_batched_tokens=24)
-    got = greedy_tokens(engine, prompts, n)
-    same = sum(g == w for g, w in zip(got, want))
-    rep.add("parity_vision", {"identical": same, "of": len(texts), "images_changed": changed,
-                              "graph_steps": engine.runner.graph_steps},
-            f"parity tiny LLaVA greedy with an image per prompt, {device}: {same}/{len(texts)} identical to CPU "
-            f"torch (other images changed {changed}/{len(texts)} outputs; {engine.runner.graph_steps} graph steps)")
+    for row, name, path, make in (("parity_vision", "LLaVA", save_device_llava(tmp / "llava"), image_prompts),
+                                  ("parity_vision_mrope", "Qwen2-VL", save_device_qwen_vl(tmp / "qwen"), qwen_prompts)):
+        prompts, others = make(texts, 0), make(texts, 1)
+        want = greedy_tokens(engine_for(path, "cpu", kernel_backend="torch"), prompts, n)
+        changed = sum(a != b for a, b in zip(want, greedy_tokens(engine_for(path, "cpu", kernel_backend="torch"),
+                                                                  others, n)))
+        engine = engine_for(path, device, kv_cache_memory=64 * 2**20, max_num_seqs=16, max_num_batched_tokens=24)
+        got = greedy_tokens(engine, prompts, n)
+        same = sum(g == w for g, w in zip(got, want))
+        rep.add(row, {"identical": same, "of": len(texts), "images_changed": changed,
+                      "graph_steps": engine.runner.graph_steps},
+                f"parity tiny {name} greedy with an image per prompt, {device}: {same}/{len(texts)} identical to CPU "
+                f"torch (other images changed {changed}/{len(texts)} outputs; {engine.runner.graph_steps} graph steps)")
