@@ -428,3 +428,33 @@ def test_embeddings_endpoint_against_an_embedding_server(own_tmp, tmp_path):
         assert run["server"]["counter_deltas"]["requests_finished"] == 6
     finally:
         server.stop()
+
+
+def test_random_images_against_a_vision_language_server(own_tmp, tmp_path):
+    """--random-images: each chat request carries its own pictures; the server counts each image's
+    16 placeholder tokens in the prompt."""
+    import sys
+    from pathlib import Path
+
+    from gateway_helpers import GatewayProcess
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+    from vision_models import TOKENS_PER_IMAGE, save_tiny_llava
+
+    model = save_tiny_llava(tmp_path / "tiny-llava")
+    server = GatewayProcess(["--model", str(model)], own_tmp / "vision.log")
+    try:
+        out = tmp_path / "v.json"
+        rc = bench("serve", "--base-url", server.url, "--endpoint", "/v1/chat/completions", "--no-progress",
+                   "--result-file", str(out), "--num-prompts", "4", "--random-input-len", "8",
+                   "--random-output-len", "4", "--ignore-eos", "--random-images", "2", "--random-image-size", "40x48")
+        assert rc == 0
+        (run,) = read_json(out)["runs"]
+        s = run["summary"]
+        assert s["completed"] == 4 and s["failed"] == 0 and s["total_output_tokens"] == 16
+        assert all(r["prompt_tokens"] > 2 * TOKENS_PER_IMAGE for r in run["requests"])
+        assert run["server"]["counter_deltas"]["prompt_tokens"] == s["total_input_tokens"]
+        with pytest.raises(SystemExit, match="--random-images needs --endpoint /v1/chat/completions"):
+            bench("serve", "--base-url", server.url, "--random-images", "1", "--no-progress")
+    finally:
+        server.stop()

@@ -38,6 +38,10 @@ class ClientConfig:
     connect_timeout_s: float = 10.0
     # --lora-modules: request k asks for models[k mod n] instead of model (LoRA adapters by name)
     models: tuple[str, ...] = ()
+    # --random-images: chat requests carry this many random pictures of image_size (width, height)
+    # as data URLs (vision-language models), request k's its own (the prefix cache cannot help).
+    images: int = 0
+    image_size: tuple[int, int] = (336, 336)
 
     def model_for(self, index: int) -> str:
         return self.models[index % len(self.models)] if self.models else self.model
@@ -111,9 +115,32 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+def random_image_url(seed: int, size: tuple[int, int]) -> str:
+    """A random RGB picture as a PNG data URL."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def with_images(messages: list[dict], cfg: ClientConfig, index: int) -> list[dict]:
+    """The last user message with cfg.images pictures after its text."""
+    *head, last = messages
+    parts = [{"type": "text", "text": last["content"]}] + [
+        {"type": "image_url", "image_url": {"url": random_image_url(index * 1000 + k, cfg.image_size)}}
+        for k in range(cfg.images)]
+    return [*head, last | {"content": parts}]
+
+
 def build_body(
     cfg: ClientConfig, prompt: str | None, messages: list[dict] | None, max_tokens: int | None,
-    model: str | None = None,
+    model: str | None = None, index: int = 0,
 ) -> dict:
     if cfg.embeddings:
         return {"model": model or cfg.model, "input": prompt, "encoding_format": "float"}
@@ -124,7 +151,7 @@ def build_body(
         "temperature": cfg.temperature,
     }
     if cfg.chat:
-        body["messages"] = messages
+        body["messages"] = with_images(messages, cfg, index) if cfg.images else messages
     else:
         body["prompt"] = prompt
     if max_tokens is not None:
@@ -224,7 +251,7 @@ async def send(
     t_run: float,
 ) -> RequestResult:
     """Send one request (retrying 429s as advised) and fill r."""
-    body = build_body(cfg, prompt, messages, max_tokens, cfg.model_for(r.index))
+    body = build_body(cfg, prompt, messages, max_tokens, cfg.model_for(r.index), r.index)
     key = api_key or cfg.api_key
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     t0 = time.perf_counter()

@@ -64,6 +64,16 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a fraction or a percentage: {text!r}") from None
 
 
+def _image_size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"kvrelay bench: --random-image-size {text!r}: expected WxH, e.g. 336x336") from None
+    if w < 1 or h < 1:
+        raise SystemExit("kvrelay bench: --random-image-size: both sides must be positive")
+    return w, h
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("server")
     s.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
@@ -88,6 +98,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="/v1/completions (default), /v1/chat/completions (default for --dataset conversation) or "
         "/v1/embeddings (an embedding model: latency is reported as TTFT)",
     )
+    s.add_argument(
+        "--random-images", type=int, default=0, metavar="N",
+        help="chat requests carry N random pictures each, as data URLs (vision-language models)",
+    )
+    s.add_argument("--random-image-size", default="336x336", metavar="WxH", help="the pictures' size")
     s.add_argument(
         "--ignore-eos",
         action="store_true",
@@ -272,7 +287,11 @@ async def bench_serve(args: argparse.Namespace, console: Console) -> int:
         max_retries_429=args.max_retries_429,
         max_retry_wait_s=args.max_retry_wait,
         models=tuple(args.lora_modules or ()),
+        images=args.random_images,
+        image_size=_image_size(args.random_image_size),
     )
+    if client.images and not client.chat:
+        raise SystemExit("kvrelay bench: --random-images needs --endpoint /v1/chat/completions")
     duration = args.soak or args.duration
     num = args.num_prompts if args.num_prompts is not None else (None if duration else DEFAULT_NUM_PROMPTS)
     sessions = datasets.load_dataset(datasets.config_from_args(args, num or DEFAULT_NUM_PROMPTS), tokenizer)
