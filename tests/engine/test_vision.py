@@ -204,3 +204,17 @@ def test_qwen_vl_images_need_their_grids(qwen_vl):
     with pytest.raises(InvalidRequestError, match="holds 6 image placeholder tokens.*take 14 \\(6, 8\\)"):
         engine.add_request(ImagePrompt(ids[:-20], ImageInputs(pv, ("x",), enc["image_grid_thw"])),
                            SamplingParams(max_tokens=2), "cut")
+
+
+def test_the_tower_runs_when_a_chunk_reaches_the_images(llava):
+    ids, pv = hf_inputs(llava, TEXT, [image(1), image(2)])
+    engine = make_engine(llava, max_num_batched_tokens=4)  # the first chunk ends before the first image
+    (seq,) = engine.make_request(prompt_of(ids, pv), SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                                                                     ignore_eos=True), "late")
+    engine.add([seq])
+    engine.step()
+    assert seq.num_computed == 4 < int(seq.images.positions[0]) and seq.images.embeds is None
+    out = []
+    while engine.has_work():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+    assert seq.images.embeds is not None and out == hf_greedy(llava, ids, pv, MAX_NEW)

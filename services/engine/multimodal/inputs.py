@@ -47,9 +47,10 @@ class SequenceImages:
     rope: np.ndarray | None = None
     rope_delta: int = 0
 
-    def pending(self, num_computed: int) -> bool:
-        """Placeholders at or after num_computed still need their features."""
-        return num_computed <= int(self.positions[-1])
+    def reaches(self, start: int, count: int) -> bool:
+        """Whether positions [start, start + count) hold placeholders (the step needs features)."""
+        lo, hi = np.searchsorted(self.positions, [start, start + count])
+        return bool(lo < hi)
 
 
 def image_rows(spans: list[tuple[SequenceImages, int, int, int]],

@@ -74,11 +74,12 @@ class ModelRunner:
             meanwhile()
         return logits
 
-    def _images(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
-        """Indices of seqs whose step may reach image placeholders, and of seqs with M-RoPE positions
+    def _images(self, seqs: list[Sequence], num_new: list[int]) -> tuple[list[int], list[int]]:
+        """Indices of seqs whose step reaches image placeholders, and of seqs with M-RoPE positions
         (Qwen2-VL: every step of theirs). The images' features are made here, at the first step that
         reaches them, in one batch for the step's new images (the vision tower runs once per prompt;
-        the n samples of a request share their images)."""
+        the n samples of a request share their images). Only chunks that reach placeholders ask for
+        features, so the images encoded in one step are bounded by the step's token budget."""
         pending, rope, new = [], [], {}
         for i, s in enumerate(seqs):
             images = s.images
@@ -86,7 +87,7 @@ class ModelRunner:
                 continue
             if images.rope is not None:
                 rope.append(i)
-            if images.pending(s.num_computed):
+            if images.reaches(s.num_computed, num_new[i]):
                 if images.embeds is None:
                     new[id(images)] = images
                 pending.append(i)
@@ -122,7 +123,7 @@ class ModelRunner:
         adapters = [s.lora for s in seqs] if self.has_lora else None
         if adapters is not None and all(k < 0 for k in adapters):
             adapters = None
-        images, rope = self._images(seqs) if self.vision is not None else (None, None)
+        images, rope = self._images(seqs, num_new) if self.vision is not None else (None, None)
         size = None if all_logits or prompt_rows or adapters or images else self._graph_size(num_new)
         extra = {"prompt_rows": prompt_rows} if prompt_rows else {}  # the common call keeps build's old signature
         if images:
