@@ -36,6 +36,15 @@ class ImageProcessor:
 
         self.cfg = cfg
         self.processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.kwargs = {}
+        if cfg.pixtral:  # Pixtral's processor sizes images in whole merged patches; its rows end in tokens of their own
+            from tokenizers import Tokenizer
+
+            self.kwargs = {"patch_size": cfg.patch_size * cfg.spatial_merge}
+            vocab = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+            self.row_ends = [vocab.token_to_id(t) for t in ("[IMG_BREAK]", "[IMG_END]")]
+            if None in self.row_ends:
+                raise ValueError(f"{model_dir}: a Mistral 3 tokenizer needs the tokens [IMG_BREAK] and [IMG_END]")
 
     @classmethod
     def for_model(cls, model_dir: Path) -> ImageProcessor | None:
@@ -51,35 +60,43 @@ class ImageProcessor:
                 f"messages: the chat template placed {markers} image markers for {len(pictures)} images: this "
                 "model's template does not show images where the messages put them", "messages")
         try:
-            out = self.processor(pictures, return_tensors="pt")
+            out = self.processor(pictures, return_tensors="pt", **self.kwargs)
         except (ValueError, TypeError) as e:  # e.g. an image with a zero side
             raise errors.bad_request(f"{fields[0] if len(fields) == 1 else 'messages'}: the image processor "
                                      f"refused the image: {e}", "messages") from e
-        pixels, grid = out["pixel_values"].float(), out.get("image_grid_thw")
-        if grid is None:  # one [C, H, W] per image
-            per_image, counts = list(pixels), [self.cfg.tokens_per_image] * len(pictures)
-        else:  # Qwen2-VL: each image's patches, as many as its grid has
-            per_image = pixels.split(grid.prod(-1).tolist())
-            counts = (grid.prod(-1) // self.cfg.spatial_merge**2).tolist()
-        hashes = tuple(hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest() for p in per_image)
-        return ImagePrompt(self.expand(ids, counts), ImageInputs(pixels, hashes, grid))
-
-    def expand(self, ids: list[int], counts: list[int] | None = None) -> list[int]:
-        """Each image marker repeated into the run of placeholders its features fill: counts, one per
-        marker in order (None: the model's fixed count; a model whose count follows the image's size
-        cannot count without it)."""
+        pixels, grid, sizes = out["pixel_values"].float(), out.get("image_grid_thw"), out.get("image_sizes")
         token = self.cfg.image_token_id
-        if counts is None:
+        if self.cfg.pixtral:  # padded to the largest; per image h' rows of w' features, each row ended
+            step = self.cfg.patch_size * self.cfg.spatial_merge
+            per_image = [pixels[i, :, :h, :w] for i, (h, w) in enumerate(sizes.tolist())]
+            runs = []
+            for h, w in sizes.tolist():
+                run = ([token] * (w // step) + [self.row_ends[0]]) * (h // step)
+                runs.append(run[:-1] + [self.row_ends[1]])
+        elif grid is not None:  # Qwen2-VL: each image's patches, as many as its grid has
+            per_image = pixels.split(grid.prod(-1).tolist())
+            runs = [[token] * n for n in (grid.prod(-1) // self.cfg.spatial_merge**2).tolist()]
+        else:  # one [C, H, W] per image
+            per_image, runs = list(pixels), [[token] * self.cfg.tokens_per_image] * len(pictures)
+        hashes = tuple(hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest() for p in per_image)
+        return ImagePrompt(self.expand(ids, runs), ImageInputs(pixels, hashes, grid, sizes))
+
+    def expand(self, ids: list[int], runs: list[list[int]] | None = None) -> list[int]:
+        """Each image marker replaced by the run of tokens its image takes: runs, one per marker in
+        order (None: the model's fixed count of placeholders; a model whose count follows the image's
+        size cannot count without it)."""
+        token = self.cfg.image_token_id
+        if runs is None:
             markers = sum(1 for t in ids if t == token)
             if markers and self.cfg.tokens_per_image is None:
                 raise errors.bad_request("messages: this model's images take as many tokens as their size asks: "
                                          "they are counted where the images are read (usage.prompt_tokens)",
                                          "messages")
-            counts = [self.cfg.tokens_per_image] * markers
-        it = iter(counts)
+            runs = [[token] * (self.cfg.tokens_per_image or 0)] * markers
+        it = iter(runs)
         out: list[int] = []
         for t in ids:
-            out.extend([t] * next(it) if t == token else (t,))
+            out.extend(next(it) if t == token else (t,))
         return out
 
 

@@ -1,5 +1,5 @@
-"""Vision-language models (kvrelay.engine.multimodal): a tiny LLaVA's, Qwen2-VL's and Qwen2.5-VL's greedy
-tokens equal transformers' for prompts with images, through chunked prefill that cuts images, the prefix cache
+"""Vision-language models (kvrelay.engine.multimodal): a tiny LLaVA's, Qwen2-VL's, Qwen2.5-VL's and Mistral 3's
+greedy tokens equal transformers' for prompts with images, through chunked prefill that cuts images, the prefix cache
 and preemption; and the checks on what a prompt's images must match."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+import torch
 from helpers import make_engine
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.multimodal.inputs import ImageInputs, ImagePrompt
@@ -17,8 +18,10 @@ from vision_models import (
     hf_inputs,
     hf_qwen_greedy,
     image,
+    mistral3_inputs,
     qwen_inputs,
     save_tiny_llava,
+    save_tiny_mistral3,
     save_tiny_qwen_vl,
 )
 
@@ -136,8 +139,6 @@ def test_text_only_model_refuses_images():
 
 
 def image_pixels():
-    import torch
-
     return torch.zeros(1, 3, 32, 32)
 
 
@@ -218,3 +219,29 @@ def test_the_tower_runs_when_a_chunk_reaches_the_images(llava):
     while engine.has_work():
         out += [t for o in engine.step() for t in o.new_token_ids]
     assert seq.images.embeds is not None and out == hf_greedy(llava, ids, pv, MAX_NEW)
+
+
+# ---- Mistral 3: the Pixtral tower, images of any size, rows of features ended by [IMG_BREAK] ----------
+
+def test_mistral3_greedy_equals_transformers(tmp_path):
+    import transformers
+
+    path = save_tiny_mistral3(tmp_path / "mistral3")
+    text = "user: Once upon a time [IMG] there was [IMG] a\nassistant:"
+    cases = [mistral3_inputs(path, text, [image(1, (40, 56)), image(2, (70, 30))]),  # 12 and 8 features
+             mistral3_inputs(path, text, [image(3, (64, 64)), image(4, (30, 20))])]  # 16 and 2
+    model = transformers.Mistral3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    refs = []
+    for enc in cases:
+        with torch.no_grad():
+            out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, pad_token_id=0)
+        refs.append(out[0, enc["input_ids"].shape[1]:].tolist())
+    # Both at once: one run of the tower over both prompts' images, padded to one size.
+    engine = make_engine(path, max_num_batched_tokens=16)
+    prompts = [ImagePrompt(enc["input_ids"][0].tolist(), ImageInputs(enc["pixel_values"], (f"h{k}",), None,
+                                                                       enc["image_sizes"]))
+               for k, enc in enumerate(cases)]
+    assert run(engine, prompts) == refs
+    with pytest.raises(InvalidRequestError, match="image_sizes"):
+        engine.add_request(ImagePrompt(prompts[0], ImageInputs(cases[0]["pixel_values"], ("x",))),
+                           SamplingParams(max_tokens=2), "no-sizes")

@@ -168,3 +168,63 @@ def hf_qwen_greedy(path: Path, enc: dict, max_new_tokens: int) -> list[int]:
         out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                              pad_token_id=0)
     return out[0, enc["input_ids"].shape[1]:].tolist()
+
+
+PIXTRAL_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+
+
+def save_tiny_mistral3(path: Path) -> Path:
+    """A tiny Mistral 3: a random Pixtral tower (8 px patches, 2x2 merge: a feature per 16x16 pixels of
+    an image up to 64 px) and projector in front of the bundled model's weights as a Mistral decoder."""
+    import transformers
+
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(BUNDLED_MODEL)
+    tok.add_special_tokens({"additional_special_tokens": list(PIXTRAL_TOKENS)})
+    stories = transformers.LlamaForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32)
+    s = stories.config
+    text = {"model_type": "mistral", "vocab_size": len(tok), "hidden_size": s.hidden_size,
+            "intermediate_size": s.intermediate_size, "num_hidden_layers": s.num_hidden_layers,
+            "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_key_value_heads,
+            "head_dim": s.head_dim, "max_position_embeddings": 512, "rms_norm_eps": s.rms_norm_eps,
+            "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True, "sliding_window": None}
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "head_dim": 8, "image_size": 64, "patch_size": 8}
+    config = transformers.Mistral3Config(vision_config=vision, text_config=text,
+                                         image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
+                                         tie_word_embeddings=True)
+    torch.manual_seed(13)
+    model = transformers.Mistral3ForConditionalGeneration(config).eval()
+    stories.resize_token_embeddings(len(tok), mean_resizing=False)
+    model.model.language_model.load_state_dict(stories.model.state_dict())
+    with torch.no_grad():  # larger projector weights: the images steer the decoder
+        for p in (model.model.multi_modal_projector.linear_1.weight, model.model.multi_modal_projector.linear_2.weight):
+            p.mul_(8)
+    model.save_pretrained(path)
+    transformers.PixtralImageProcessor(size={"longest_edge": 64}, patch_size=8).save_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE.replace("<image>", "[IMG]")
+    tok.save_pretrained(path)
+    return path
+
+
+def mistral3_inputs(path: Path, text: str, pictures: list) -> dict:
+    """What PixtralProcessor gives (it needs torchvision): each [IMG] becomes the image's rows of
+    [IMG] tokens, one per 16x16 pixels, each row ended by [IMG_BREAK], the last by [IMG_END]."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    img, brk, end = tok.convert_tokens_to_ids(list(PIXTRAL_TOKENS))
+    enc = {"input_ids": tok(text, return_tensors="pt")["input_ids"]}
+    if pictures:
+        enc |= transformers.AutoImageProcessor.from_pretrained(path)(pictures, return_tensors="pt", patch_size=16)
+        sizes = iter(enc["image_sizes"].tolist())
+        ids = []
+        for t in enc["input_ids"][0].tolist():
+            if t == img:
+                h, w = next(sizes)
+                run = ([img] * (w // 16) + [brk]) * (h // 16)
+                ids += run[:-1] + [end]
+            else:
+                ids.append(t)
+        enc["input_ids"] = torch.tensor([ids])
+    enc["attention_mask"] = torch.ones_like(enc["input_ids"])
+    return enc

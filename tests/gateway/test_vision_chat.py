@@ -151,30 +151,37 @@ def test_responses_api_input_image(server):
     assert r.output_text == chat.choices[0].message.content
 
 
-def test_qwen2_vl_chat_answers_as_transformers(tmp_path):
-    """Images of a size-dependent feature count (Qwen2-VL) through an in-process server."""
+@pytest.mark.parametrize("family", ["qwen2-vl", "mistral3"])
+def test_size_dependent_images_through_chat(tmp_path, family):
+    """Images whose feature count follows their size (Qwen2-VL: a run per image; Mistral 3: rows ended
+    by [IMG_BREAK] and [IMG_END]), through an in-process server, answered as transformers does."""
+    import torch
+    import transformers
     from gateway_helpers import InProcessGateway
-    from vision_models import hf_qwen_greedy, qwen_inputs, save_tiny_qwen_vl
+    from vision_models import mistral3_inputs, qwen_inputs, save_tiny_mistral3, save_tiny_qwen_vl
 
-    path = save_tiny_qwen_vl(tmp_path / "tiny-qwen-vl", "2")
+    if family == "qwen2-vl":
+        path = save_tiny_qwen_vl(tmp_path / "tiny-vl", "2")
+        marker, inputs = "<|vision_start|><|image_pad|><|vision_end|>", qwen_inputs
+    else:
+        path = save_tiny_mistral3(tmp_path / "tiny-vl")
+        marker, inputs = "[IMG]", mistral3_inputs
     pictures = [image(1, (60, 90)), image(2, (100, 50))]
-    rendered = ("user: Once upon a time <|vision_start|><|image_pad|><|vision_end|> there was "
-                                  "<|vision_start|><|image_pad|><|vision_end|> a\nassistant:")
-    enc = qwen_inputs(path, rendered, pictures)
-    ids = enc["input_ids"][0].tolist()
-    out = hf_qwen_greedy(path, enc, MAX_NEW)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
+    enc = inputs(path, f"user: Once upon a time {marker} there was {marker} a\nassistant:", pictures)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, pad_token_id=0)
+    ids, out = enc["input_ids"][0].tolist(), out[0, enc["input_ids"].shape[1]:].tolist()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
     want = tok.decode(ids + out, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)):]
     gw = InProcessGateway(engine_kwargs={"model": str(path), "max_num_batched_tokens": 16})
     try:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
-        r = client.chat.completions.create(model="tiny-qwen-vl", messages=story(*map(data_url, pictures)),
+        r = client.chat.completions.create(model="tiny-vl", messages=story(*map(data_url, pictures)),
                                            max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True})
         assert r.choices[0].message.content == want
-        assert r.usage.prompt_tokens == len(ids)  # 6 and 8 placeholders for these two sizes
-        counted = httpx.post(gw.url + "/tokenize", json={"model": "tiny-qwen-vl", "messages": story("a", "b")})
+        assert r.usage.prompt_tokens == len(ids)  # each image's placeholders (and row ends) for its size
+        counted = httpx.post(gw.url + "/tokenize", json={"model": "tiny-vl", "messages": story("a", "b")})
         assert counted.status_code == 400 and "as their size asks" in counted.json()["error"]["message"]
     finally:
         gw.stop()

@@ -1,5 +1,5 @@
-"""LLaVA (LlavaForConditionalGeneration): a vision tower and a projector in front of a Llama-family
-decoder. The decoder is exactly the text model's architecture: this entry reads `text_config` and
+"""LLaVA (LlavaForConditionalGeneration) and Mistral 3 (Mistral3ForConditionalGeneration): a vision
+tower and a projector in front of a Llama-family decoder. The decoder is exactly the text model's architecture: this entry reads `text_config` and
 returns the text architecture's ModelConfig, so the decoder loads, runs and is checked as that
 model does (its tensors sit under "language_model.", weights.stored_name_candidates). The vision
 half lives in kvrelay.engine.multimodal, which reads the rest of config.json.
@@ -56,7 +56,9 @@ def _delegate(attr: str):
     return call
 
 
+# Mistral 3 (Mistral Small 3.1 and later): a Pixtral tower before the same layout of a Mistral decoder.
 ARCHITECTURES = [
-    Architecture(name="LlavaForConditionalGeneration", parse_config=parse,
-                 expected_shapes=_delegate("expected_shapes"), assemble=_delegate("assemble")),
+    Architecture(name=name, parse_config=parse, expected_shapes=_delegate("expected_shapes"),
+                 assemble=_delegate("assemble"))
+    for name in ("LlavaForConditionalGeneration", "Mistral3ForConditionalGeneration")
 ]

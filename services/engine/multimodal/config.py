@@ -11,7 +11,8 @@ from kvrelay.engine.errors import ModelLoadError
 
 LLAVA = ("LlavaForConditionalGeneration",)
 QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-VISION_LANGUAGE_ARCHITECTURES = LLAVA + QWEN_VL
+MISTRAL3 = ("Mistral3ForConditionalGeneration",)
+VISION_LANGUAGE_ARCHITECTURES = LLAVA + QWEN_VL + MISTRAL3
 # Vision towers with a fixed image size (one image, one run of placeholder tokens); the class token
 # they prepend, if any.
 VISION_TOWERS = {"clip_vision_model": 1, "siglip_vision_model": 0}
@@ -30,12 +31,18 @@ class VisionConfig:
     drop_class_token: bool = False  # vision_feature_select_strategy "default": the first feature is dropped
     projector_act: str = "gelu"
     image_size: int = 0
-    # Qwen2-VL: patches merged per feature along each side
+    # Qwen2-VL, Mistral 3: patches merged per feature along each side
     spatial_merge: int = 1
+    patch_size: int = 0  # Mistral 3 (Pixtral): pixels per patch side
 
     @property
     def qwen(self) -> bool:
         return self.architecture in QWEN_VL
+
+    @property
+    def pixtral(self) -> bool:
+        """Mistral 3's Pixtral tower: an image of any size, its rows of features ended by [IMG_BREAK]."""
+        return self.architecture in MISTRAL3
 
     @property
     def pixel_shape(self) -> tuple[int, int, int]:
@@ -55,6 +62,14 @@ def read_vision_config(model_dir: Path) -> VisionConfig | None:
         if not isinstance(token, int):
             raise ModelLoadError(f"{path}: a Qwen2-VL config needs image_token_id")
         return VisionConfig(arch, token, None, vision, spatial_merge=int(vision.get("spatial_merge_size", 2)))
+    if arch in MISTRAL3:
+        token = raw.get("image_token_index", raw.get("image_token_id"))
+        if not isinstance(token, int):
+            raise ModelLoadError(f"{path}: a Mistral 3 config needs image_token_index")
+        layer = raw.get("vision_feature_layer", -1)
+        return VisionConfig(arch, token, None, vision, feature_layers=(layer,) if isinstance(layer, int) else tuple(layer),
+                            spatial_merge=int(raw.get("spatial_merge_size", 2)),
+                            patch_size=int(vision.get("patch_size", 16)))
     tower = vision.get("model_type", "clip_vision_model")
     if tower not in VISION_TOWERS:
         raise ModelLoadError(f"{path}: vision_config.model_type {tower!r} is not supported; supported: "

@@ -105,6 +105,11 @@ class VisionEncoder:
                 proj[bias] = read(find(PROJECTOR_PREFIXES, bias))
         return proj
 
+    def encode_many(self, images: list) -> list[torch.Tensor]:
+        """Each SequenceImages' features, in one run of the tower."""
+        feats = self.encode(torch.cat([im.pixel_values for im in images]))
+        return list(feats.split([len(im.positions) for im in images]))
+
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """Features of a prompt's images, in order: [images * tokens_per_image, text hidden]."""

@@ -23,6 +23,7 @@ class ImageInputs:
     pixel_values: torch.Tensor
     hashes: tuple[str, ...]  # per image, of its pixels: prompts share cached K/V only with the same images
     grid_thw: torch.Tensor | None = None  # Qwen2-VL: each image's patch grid [images, 3]
+    image_sizes: torch.Tensor | None = None  # Mistral 3: each image's (height, width) in the padded pixels
 
 
 class ImagePrompt(list):
@@ -42,6 +43,7 @@ class SequenceImages:
     positions: np.ndarray  # int64, ascending: the prompt positions of the placeholder tokens
     embeds: torch.Tensor | None = None  # [len(positions), hidden], the projected features in order
     grid_thw: torch.Tensor | None = None  # Qwen2-VL: the images' patch grids, for the tower
+    image_sizes: torch.Tensor | None = None  # Mistral 3: the images' sizes, for the tower
     # Qwen2-VL (mrope.py): the prompt's rotary positions [3, prompt_len] and, past the prompt, the
     # offset of rotary position from token position; None without M-RoPE.
     rope: np.ndarray | None = None
@@ -94,6 +96,8 @@ def prompt_images(encoder, prompt, ids: list[int]) -> SequenceImages | None:
         grids = [tuple(g) for g in images.grid_thw.tolist()]
         rope, delta = mrope_positions(array, cfg.image_token_id, grids, cfg.spatial_merge)
         return SequenceImages(images.pixel_values, positions, grid_thw=images.grid_thw, rope=rope, rope_delta=delta)
+    if cfg.pixtral:
+        return SequenceImages(images.pixel_values, positions, image_sizes=images.image_sizes)
     if tuple(images.pixel_values.shape[1:]) != cfg.pixel_shape:
         raise InvalidRequestError(f"images: pixel values of shape {list(images.pixel_values.shape[1:])}, but the "
                                   f"vision tower takes {list(cfg.pixel_shape)}", field="messages")
@@ -104,6 +108,12 @@ def image_token_counts(cfg, images: ImageInputs) -> list[int]:
     """Placeholder tokens per image: fixed (LLaVA), or each grid's t*h*w over the merge squared (Qwen2-VL)."""
     from kvrelay.engine.errors import InvalidRequestError
 
+    if cfg.pixtral:
+        sizes = images.image_sizes
+        if sizes is None or sizes.ndim != 2 or sizes.shape != (images.pixel_values.shape[0], 2):
+            raise InvalidRequestError("images: Mistral 3 images need their sizes (image_sizes), one (height, width) "
+                                      "row per image", field="messages")
+        return ((sizes // (cfg.patch_size * cfg.spatial_merge)).prod(-1)).tolist()
     if not cfg.qwen:
         return [cfg.tokens_per_image] * images.pixel_values.shape[0]
     grid = images.grid_thw

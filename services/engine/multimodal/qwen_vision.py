@@ -35,6 +35,11 @@ class QwenVisionEncoder:
             load_module(self.tower, model_dir, shard_files(model_dir), ("visual.", "model.visual."))
         self.tower.to(device=device, dtype=dtype)
 
+    def encode_many(self, images: list) -> list[torch.Tensor]:
+        """Each SequenceImages' features, in one run of the tower."""
+        feats = self.encode(torch.cat([im.pixel_values for im in images]), torch.cat([im.grid_thw for im in images]))
+        return list(feats.split([len(im.positions) for im in images]))
+
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """Merged features of a prompt's images, in order: [sum of each grid's t*h*w / merge^2, hidden]."""

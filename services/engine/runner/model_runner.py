@@ -93,9 +93,7 @@ class ModelRunner:
                 pending.append(i)
         if new:
             fresh = list(new.values())
-            grids = [im.grid_thw for im in fresh if im.grid_thw is not None]
-            feats = self.vision.encode(torch.cat([im.pixel_values for im in fresh]), torch.cat(grids) if grids else None)
-            for im, part in zip(fresh, feats.split([len(im.positions) for im in fresh])):
+            for im, part in zip(fresh, self.vision.encode_many(fresh)):
                 im.embeds, im.pixel_values = part, None
         return pending, rope
 
