@@ -1,5 +1,5 @@
-"""The device script's vision rows (benchmarks/gpu_engine.py, parity section): a tiny LLaVA's and a
-tiny Qwen2-VL's greedy tokens with images, on the device (graphs on; steps with image rows run
+"""The device script's vision rows (benchmarks/gpu_engine.py, parity section): a tiny LLaVA's,
+Qwen2-VL's and Mistral 3's greedy tokens with images, on the device (graphs on; steps with image rows run
 eagerly, in 24-token chunks that cut the images; Qwen2-VL's decode graphs replay M-RoPE positions)
 against CPU torch. Built without Pillow (the device machine has none): random pixel values stand in
 for processed images.
@@ -91,6 +91,55 @@ def qwen_prompts(texts: list[str], seed: int) -> list:
     return out
 
 
+def save_device_mistral3(path: Path) -> Path:
+    """A tiny Mistral 3: a random Pixtral tower (8 px patches, 2x2 merge) and projector in front of
+    the bundled decoder's weights as Mistral."""
+    import torch
+    import transformers
+
+    from kvrelay.models import BUNDLED_MODEL
+
+    stories = transformers.LlamaForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32)
+    s = stories.config
+    text = {"model_type": "mistral", "vocab_size": s.vocab_size, "hidden_size": s.hidden_size,
+            "intermediate_size": s.intermediate_size, "num_hidden_layers": s.num_hidden_layers,
+            "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_key_value_heads,
+            "head_dim": s.head_dim, "max_position_embeddings": 512, "tie_word_embeddings": True, "sliding_window": None}
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "head_dim": 8, "image_size": 64, "patch_size": 8}
+    config = transformers.Mistral3Config(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                                         spatial_merge_size=2, tie_word_embeddings=True)
+    torch.manual_seed(7)
+    model = transformers.Mistral3ForConditionalGeneration(config).eval()
+    model.model.language_model.load_state_dict(stories.model.state_dict())
+    with torch.no_grad():
+        for p in (model.model.multi_modal_projector.linear_1.weight, model.model.multi_modal_projector.linear_2.weight):
+            p.mul_(8)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(BUNDLED_MODEL / name, path / name)
+    return path
+
+
+def pixtral_prompts(texts: list[str], seed: int) -> list:
+    """Each text, one 32x48 image (2 rows of 3 features, each row ended by another id), then " and then"."""
+    import torch
+    from kvrelay.engine.multimodal.inputs import ImageInputs, ImagePrompt
+    from kvrelay.engine.tokenizer import Tokenizer
+
+    from kvrelay.models import BUNDLED_MODEL
+
+    tok = Tokenizer(BUNDLED_MODEL)
+    gen = torch.Generator().manual_seed(seed)
+    run = [IMAGE_TOKEN] * 3 + [IMAGE_TOKEN - 1] + [IMAGE_TOKEN] * 3 + [IMAGE_TOKEN - 2]
+    out = []
+    for k, text in enumerate(texts):
+        ids = tok.encode_prompt(text) + run + tok.encode_plain(" and then", False)
+        pixels = torch.randn(1, 3, 32, 48, generator=gen)
+        out.append(ImagePrompt(ids, ImageInputs(pixels, (f"p{seed}-{k}",), None, torch.tensor([[32, 48]]))))
+    return out
+
+
 def image_prompts(texts: list[str], seed: int) -> list:
     """Each text, one image's placeholders, then " and then": ImagePrompts with random pixels."""
     import torch
@@ -110,10 +159,13 @@ def image_prompts(texts: list[str], seed: int) -> list:
 
 
 def parity_vision(rep, device: str, engine_for, greedy_tokens, texts: list[str], tmp: Path) -> None:
-    """Rows parity_vision (LLaVA) and parity_vision_mrope (Qwen2-VL: decode graphs replay M-RoPE positions)."""
+    """Rows parity_vision (LLaVA), parity_vision_mrope (Qwen2-VL: decode graphs replay M-RoPE
+    positions) and parity_vision_pixtral (Mistral 3)."""
     n = 24
     for row, name, path, make in (("parity_vision", "LLaVA", save_device_llava(tmp / "llava"), image_prompts),
-                                  ("parity_vision_mrope", "Qwen2-VL", save_device_qwen_vl(tmp / "qwen"), qwen_prompts)):
+                                  ("parity_vision_mrope", "Qwen2-VL", save_device_qwen_vl(tmp / "qwen"), qwen_prompts),
+                                  ("parity_vision_pixtral", "Mistral 3", save_device_mistral3(tmp / "mistral3"),
+                                   pixtral_prompts)):
         prompts, others = make(texts, 0), make(texts, 1)
         want = greedy_tokens(engine_for(path, "cpu", kernel_backend="torch"), prompts, n)
         changed = sum(a != b for a, b in zip(want, greedy_tokens(engine_for(path, "cpu", kernel_backend="torch"),
