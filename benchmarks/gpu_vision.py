@@ -17,6 +17,22 @@ IMAGE_TOKEN = 511  # the bundled vocabulary's last id
 TOKENS_PER_IMAGE = 16
 
 
+def _save(model, path: Path, boosted) -> Path:
+    """Save model with the bundled tokenizer, the boosted weights times 8 first (so that the images
+    visibly steer the decoder)."""
+    import torch
+
+    from kvrelay.models import BUNDLED_MODEL
+
+    with torch.no_grad():
+        for p in boosted:
+            p.mul_(8)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(BUNDLED_MODEL / name, path / name)
+    return path
+
+
 def save_device_llava(path: Path) -> Path:
     import torch
     import transformers
@@ -31,13 +47,7 @@ def save_device_llava(path: Path) -> Path:
     torch.manual_seed(3)
     model = transformers.LlavaForConditionalGeneration(config).eval()
     model.model.language_model.load_state_dict(decoder.model.state_dict())
-    with torch.no_grad():  # larger projector weights: the images visibly steer the decoder
-        for p in model.model.multi_modal_projector.parameters():
-            p.mul_(8)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(BUNDLED_MODEL / name, path / name)
-    return path
+    return _save(model, path, model.model.multi_modal_projector.parameters())
 
 
 def save_device_qwen_vl(path: Path) -> Path:
@@ -65,30 +75,7 @@ def save_device_qwen_vl(path: Path) -> Path:
     with torch.no_grad():
         for name, p in model.model.language_model.named_parameters():
             p.copy_(state[name] if name in state else torch.zeros_like(p))
-        for p in model.model.visual.merger.parameters():
-            p.mul_(8)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(BUNDLED_MODEL / name, path / name)
-    return path
-
-
-def qwen_prompts(texts: list[str], seed: int) -> list:
-    """Each text, one image of a (1, 4, 6) patch grid (6 features), then " and then"."""
-    import torch
-    from kvrelay.engine.multimodal.inputs import ImageInputs, ImagePrompt
-    from kvrelay.engine.tokenizer import Tokenizer
-
-    from kvrelay.models import BUNDLED_MODEL
-
-    tok = Tokenizer(BUNDLED_MODEL)
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for k, text in enumerate(texts):
-        ids = tok.encode_prompt(text) + [IMAGE_TOKEN] * 6 + tok.encode_plain(" and then", False)
-        pixels = torch.randn(24, 3 * 2 * 14 * 14, generator=gen)
-        out.append(ImagePrompt(ids, ImageInputs(pixels, (f"q{seed}-{k}",), torch.tensor([[1, 4, 6]]))))
-    return out
+    return _save(model, path, model.model.visual.merger.parameters())
 
 
 def save_device_mistral3(path: Path) -> Path:
@@ -112,17 +99,13 @@ def save_device_mistral3(path: Path) -> Path:
     torch.manual_seed(7)
     model = transformers.Mistral3ForConditionalGeneration(config).eval()
     model.model.language_model.load_state_dict(stories.model.state_dict())
-    with torch.no_grad():
-        for p in (model.model.multi_modal_projector.linear_1.weight, model.model.multi_modal_projector.linear_2.weight):
-            p.mul_(8)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(BUNDLED_MODEL / name, path / name)
-    return path
+    projector = model.model.multi_modal_projector
+    return _save(model, path, [projector.linear_1.weight, projector.linear_2.weight])
 
 
-def pixtral_prompts(texts: list[str], seed: int) -> list:
-    """Each text, one 32x48 image (2 rows of 3 features, each row ended by another id), then " and then"."""
+def _prompts(texts: list[str], seed: int, run: list[int], pixel_shape: tuple[int, ...], **sizes) -> list:
+    """Each text, one image's run of tokens, then " and then": ImagePrompts with random pixels (sizes:
+    ImageInputs' grid_thw or image_sizes)."""
     import torch
     from kvrelay.engine.multimodal.inputs import ImageInputs, ImagePrompt
     from kvrelay.engine.tokenizer import Tokenizer
@@ -131,31 +114,32 @@ def pixtral_prompts(texts: list[str], seed: int) -> list:
 
     tok = Tokenizer(BUNDLED_MODEL)
     gen = torch.Generator().manual_seed(seed)
-    run = [IMAGE_TOKEN] * 3 + [IMAGE_TOKEN - 1] + [IMAGE_TOKEN] * 3 + [IMAGE_TOKEN - 2]
     out = []
     for k, text in enumerate(texts):
         ids = tok.encode_prompt(text) + run + tok.encode_plain(" and then", False)
-        pixels = torch.randn(1, 3, 32, 48, generator=gen)
-        out.append(ImagePrompt(ids, ImageInputs(pixels, (f"p{seed}-{k}",), None, torch.tensor([[32, 48]]))))
+        pixels = torch.randn(*pixel_shape, generator=gen)
+        out.append(ImagePrompt(ids, ImageInputs(pixels, (f"{seed}-{k}",), **sizes)))
     return out
 
 
 def image_prompts(texts: list[str], seed: int) -> list:
-    """Each text, one image's placeholders, then " and then": ImagePrompts with random pixels."""
+    """LLaVA: a 32x32 image, 16 features."""
+    return _prompts(texts, seed, [IMAGE_TOKEN] * TOKENS_PER_IMAGE, (1, 3, 32, 32))
+
+
+def qwen_prompts(texts: list[str], seed: int) -> list:
+    """Qwen2-VL: an image of a (1, 4, 6) patch grid, 6 features."""
     import torch
-    from kvrelay.engine.multimodal.inputs import ImageInputs, ImagePrompt
-    from kvrelay.engine.tokenizer import Tokenizer
 
-    from kvrelay.models import BUNDLED_MODEL
+    return _prompts(texts, seed, [IMAGE_TOKEN] * 6, (24, 3 * 2 * 14 * 14), grid_thw=torch.tensor([[1, 4, 6]]))
 
-    tok = Tokenizer(BUNDLED_MODEL)
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for k, text in enumerate(texts):
-        ids = tok.encode_prompt(text) + [IMAGE_TOKEN] * TOKENS_PER_IMAGE + tok.encode_plain(" and then", False)
-        pixels = torch.randn(1, 3, 32, 32, generator=gen)
-        out.append(ImagePrompt(ids, ImageInputs(pixels, (f"{seed}-{k}",))))
-    return out
+
+def pixtral_prompts(texts: list[str], seed: int) -> list:
+    """Mistral 3: a 32x48 image, 2 rows of 3 features, each row ended by another id."""
+    import torch
+
+    run = [IMAGE_TOKEN] * 3 + [IMAGE_TOKEN - 1] + [IMAGE_TOKEN] * 3 + [IMAGE_TOKEN - 2]
+    return _prompts(texts, seed, run, (1, 3, 32, 48), image_sizes=torch.tensor([[32, 48]]))
 
 
 def parity_vision(rep, device: str, engine_for, greedy_tokens, texts: list[str], tmp: Path) -> None:
