@@ -75,9 +75,7 @@ class RequestBuilderMixin:
         logits_processors.validate(params.logits_processors)
         check_pooling_request(params, self.pooler, self.config.hidden_size)
         ids = self.tokenize_prompt(prompt)
-        images = prompt_images(self.vision, prompt, ids)
-        if images is not None:  # prompts share cached K/V only with prompts of the same images
-            cache_salt = f"{cache_salt or ''}\x00images:{','.join(prompt.images.hashes)}"
+        images = prompt_images(self.vision, prompt, ids)  # its placeholders key the prefix cache by image
         limit = self.max_model_len
         if params.pooling is not None:  # an embedding: the prompt may fill the context, nothing is generated
             if len(ids) > limit:

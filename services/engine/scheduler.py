@@ -80,7 +80,11 @@ class Scheduler:
         while len(seq.block_hashes) < num_blocks:
             k = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if k else seq.cache_root
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[k * self.bs : (k + 1) * self.bs]))
+            a, b = k * self.bs, (k + 1) * self.bs
+            images = seq.images  # placeholders hash as their image (kvrelay.engine.multimodal.inputs.cache_keys)
+            tokens = seq.token_ids[a:b] if images is None or a >= len(images.keys) else (
+                list(images.keys[a:b]) + seq.token_ids[len(images.keys) : b])
+            seq.block_hashes.append(hash_block(parent, tokens))
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         # At least the last token must be computed to produce logits.

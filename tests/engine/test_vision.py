@@ -79,6 +79,15 @@ def test_prefix_cache_is_shared_only_with_the_same_images(llava):
     while engine.has_work():
         engine.step()
     assert seqs[0].num_cached_tokens >= 32  # the same images: their blocks are hits
+    # The next turn adds an image: the blocks before it are a's, and hit (placeholders key by image).
+    c = hf_inputs(llava, TEXT + " big dog\nuser: and <image> then\nassistant:", [image(4), image(5), image(6)])
+    assert c[0][:48] == a[0][:48]
+    seqs = engine.make_request(prompt_of(*c), SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), "c")
+    engine.add(seqs)
+    out = []
+    while engine.has_work():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+    assert seqs[0].num_cached_tokens >= 48 and out == hf_greedy(llava, *c, MAX_NEW)
 
 
 def test_preempted_sequences_recompute_their_images(llava):
@@ -165,9 +174,9 @@ def qwen_vl(request, tmp_path_factory):
 
 
 def qwen_prompt(enc) -> ImagePrompt:
-    pv = enc["pixel_values"]
-    return ImagePrompt(enc["input_ids"][0].tolist(), ImageInputs(pv, (hashlib.sha256(pv.numpy().tobytes()).hexdigest(),),
-                                                                 enc["image_grid_thw"]))
+    pv, grid = enc["pixel_values"], enc["image_grid_thw"]
+    hashes = tuple(hashlib.sha256(p.numpy().tobytes()).hexdigest() for p in pv.split(grid.prod(-1).tolist()))
+    return ImagePrompt(enc["input_ids"][0].tolist(), ImageInputs(pv, hashes, grid))
 
 
 def test_qwen_vl_greedy_equals_transformers(qwen_vl):
@@ -201,9 +210,9 @@ def test_qwen_vl_images_need_their_grids(qwen_vl):
     enc = qwen_inputs(qwen_vl, QWEN_TEXT, [image(1, SIZES[0]), image(2, SIZES[1])])
     ids, pv = enc["input_ids"][0].tolist(), enc["pixel_values"]
     with pytest.raises(InvalidRequestError, match="patch grids"):
-        engine.add_request(ImagePrompt(ids, ImageInputs(pv, ("x",))), SamplingParams(max_tokens=2), "no-grid")
+        engine.add_request(ImagePrompt(ids, ImageInputs(pv, ("x", "y"))), SamplingParams(max_tokens=2), "no-grid")
     with pytest.raises(InvalidRequestError, match="holds 6 image placeholder tokens.*take 14 \\(6, 8\\)"):
-        engine.add_request(ImagePrompt(ids[:-20], ImageInputs(pv, ("x",), enc["image_grid_thw"])),
+        engine.add_request(ImagePrompt(ids[:-20], ImageInputs(pv, ("x", "y"), enc["image_grid_thw"])),
                            SamplingParams(max_tokens=2), "cut")
 
 
@@ -238,10 +247,10 @@ def test_mistral3_greedy_equals_transformers(tmp_path):
         refs.append(out[0, enc["input_ids"].shape[1]:].tolist())
     # Both at once: one run of the tower over both prompts' images, padded to one size.
     engine = make_engine(path, max_num_batched_tokens=16)
-    prompts = [ImagePrompt(enc["input_ids"][0].tolist(), ImageInputs(enc["pixel_values"], (f"h{k}",), None,
+    prompts = [ImagePrompt(enc["input_ids"][0].tolist(), ImageInputs(enc["pixel_values"], (f"h{k}a", f"h{k}b"), None,
                                                                        enc["image_sizes"]))
                for k, enc in enumerate(cases)]
     assert run(engine, prompts) == refs
     with pytest.raises(InvalidRequestError, match="image_sizes"):
-        engine.add_request(ImagePrompt(prompts[0], ImageInputs(cases[0]["pixel_values"], ("x",))),
+        engine.add_request(ImagePrompt(prompts[0], ImageInputs(cases[0]["pixel_values"], ("x", "y"))),
                            SamplingParams(max_tokens=2), "no-sizes")

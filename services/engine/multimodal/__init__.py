@@ -11,8 +11,8 @@
 
 The decoder runs as the text model it is; a prefill chunk's placeholder rows take the image
 features in place of the token embedding (StepBatch.image_rows), as transformers' masked scatter
-does. Prompts share cached K/V only with prompts of the same images (their hashes salt the prefix
-cache).
+does. For the prefix cache's block keys each placeholder stands for its image (inputs.cache_keys):
+blocks are shared only where the images are the same, and blocks before an image with any prompt.
 """
 
 from __future__ import annotations

@@ -48,6 +48,8 @@ class SequenceImages:
     # offset of rotary position from token position; None without M-RoPE.
     rope: np.ndarray | None = None
     rope_delta: int = 0
+    # The prompt's ids for prefix-cache keys: each placeholder as its image's key (cache_keys).
+    keys: np.ndarray | None = None
 
     def reaches(self, start: int, count: int) -> bool:
         """Whether positions [start, start + count) hold placeholders (the step needs features)."""
@@ -92,16 +94,37 @@ def prompt_images(encoder, prompt, ids: list[int]) -> SequenceImages | None:
             "chat content parts and do not cut the prompt inside an image", field="prompt")
     if not counts:
         return None
+    keys = cache_keys(array, positions, counts, images.hashes)
     if cfg.qwen:
         grids = [tuple(g) for g in images.grid_thw.tolist()]
         rope, delta = mrope_positions(array, cfg.image_token_id, grids, cfg.spatial_merge)
-        return SequenceImages(images.pixel_values, positions, grid_thw=images.grid_thw, rope=rope, rope_delta=delta)
+        return SequenceImages(images.pixel_values, positions, grid_thw=images.grid_thw, rope=rope, rope_delta=delta,
+                              keys=keys)
     if cfg.pixtral:
-        return SequenceImages(images.pixel_values, positions, image_sizes=images.image_sizes)
+        return SequenceImages(images.pixel_values, positions, image_sizes=images.image_sizes, keys=keys)
     if tuple(images.pixel_values.shape[1:]) != cfg.pixel_shape:
         raise InvalidRequestError(f"images: pixel values of shape {list(images.pixel_values.shape[1:])}, but the "
                                   f"vision tower takes {list(cfg.pixel_shape)}", field="messages")
-    return SequenceImages(images.pixel_values, positions)
+    return SequenceImages(images.pixel_values, positions, keys=keys)
+
+
+def cache_keys(ids: np.ndarray, positions: np.ndarray, counts: list[int], hashes: tuple[str, ...]) -> np.ndarray:
+    """The prompt's ids with each image's placeholders replaced by a key of that image (a negative id,
+    never a token's): the prefix cache's block keys then tell images apart where their placeholder
+    ids are alike, and blocks before an image stay shared with prompts of other images or none."""
+    import hashlib
+
+    if len(hashes) != len(counts):
+        from kvrelay.engine.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"images: {len(hashes)} hashes for {len(counts)} images", field="messages")
+    keys = ids.copy()
+    start = 0
+    for n, h in zip(counts, hashes):
+        key = int.from_bytes(hashlib.blake2b(h.encode(), digest_size=8).digest(), "little") >> 2
+        keys[positions[start : start + n]] = -1 - key
+        start += n
+    return keys
 
 
 def image_token_counts(cfg, images: ImageInputs) -> list[int]:
