@@ -1,7 +1,7 @@
 """A prompt's images on their way to the engine, and on the sequence once there.
 
-The gateway sends an ImagePrompt: the prompt's token ids, each image's placeholder token repeated
-as many times as the image has features, carrying the processed pixels. It is a list of ids, so
+The gateway sends an ImagePrompt: the prompt's token ids, with as many of each image's placeholder
+token as the image has features (in one run, or Mistral 3's rows), carrying the processed pixels. It is a list of ids, so
 everything that passes prompts along (counting, quotas, the engine-core pipe) keeps working; a
 copy or slice is a plain list and loses the images, which the engine then refuses (placeholders
 without images), so a prompt is never run with the placeholder token's own embedding.
@@ -18,8 +18,8 @@ from kvrelay.engine.multimodal.mrope import mrope_positions
 
 @dataclass(frozen=True)
 class ImageInputs:
-    # As the image processor made them, float32: [images, channels, height, width] (LLaVA), or every
-    # image's flattened patches [patches, channels * 2 * 14 * 14] (Qwen2-VL).
+    # As the image processor made them, float32: [images, channels, height, width] (LLaVA; Mistral 3,
+    # padded to the largest), or every image's flattened patches [patches, channels * 2 * 14 * 14] (Qwen2-VL).
     pixel_values: torch.Tensor
     hashes: tuple[str, ...]  # per image, of its pixels: prompts share cached K/V only with the same images
     grid_thw: torch.Tensor | None = None  # Qwen2-VL: each image's patch grid [images, 3]
