@@ -112,7 +112,7 @@ async def fetch_chat_images(body, processor: ImageProcessor | None, limits) -> l
     if processor is None:
         field = parts[0][0].removesuffix(".image_url.url")
         raise errors.bad_request(f"{field}: this model takes text only: it cannot read images", field)
-    async with httpx.AsyncClient(follow_redirects=False) as client:
+    async with httpx.AsyncClient(follow_redirects=False, timeout=limits.fetch_timeout_s) as client:
         data = await media.load_images(parts, limits, client)
     return [(field, d) for (field, _), d in zip(parts, data)]
 

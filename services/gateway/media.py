@@ -4,8 +4,9 @@ The limits are the server's flags (vLLM's where it has one):
 - `--limit-mm-per-prompt '{"image": N}'`: images in one request (default 8);
 - `--max-image-bytes`: bytes of one image, encoded (default 20 MiB, OpenAI's limit);
 - `--media-fetch-timeout`: seconds to fetch one image URL (default 10);
-- `--allowed-media-domains`: the only hosts image URLs may name (default: any). Redirects are not
-  followed, so a listed host cannot hand the fetch to an unlisted one.
+- `--allowed-media-domains`: the only hosts image URLs may name (default: any, as vLLM). Redirects
+  are not followed, so a listed host cannot hand the fetch to an unlisted one. A server that callers
+  it does not trust can reach should set it: the fetch runs from inside the cluster (SSRF).
 Each failure is a 400 naming the content part at fault, and nothing is scheduled.
 """
 
