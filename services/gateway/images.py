@@ -73,6 +73,11 @@ class ImageProcessor:
             for h, w in sizes.tolist():
                 run = ([token] * (w // step) + [self.row_ends[0]]) * (h // step)
                 runs.append(run[:-1] + [self.row_ends[1]])
+        elif self.cfg.anyres:  # LLaVA-NeXT: each image's tiles (padded to the most), a count by its size
+            from kvrelay.engine.multimodal.anyres import feature_count, num_tiles
+
+            per_image = [pixels[k, : num_tiles(self.cfg, tuple(s))] for k, s in enumerate(sizes.tolist())]
+            runs = [[token] * feature_count(self.cfg, tuple(s)) for s in sizes.tolist()]
         elif grid is not None:  # Qwen2-VL: each image's patches, as many as its grid has
             per_image = pixels.split(grid.prod(-1).tolist())
             runs = [[token] * n for n in (grid.prod(-1) // self.cfg.spatial_merge**2).tolist()]

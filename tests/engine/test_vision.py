@@ -1,5 +1,5 @@
-"""Vision-language models (kvrelay.engine.multimodal): a tiny LLaVA's, Qwen2-VL's, Qwen2.5-VL's and Mistral 3's
-greedy tokens equal transformers' for prompts with images, through chunked prefill that cuts images, the prefix cache
+"""Vision-language models (kvrelay.engine.multimodal): a tiny LLaVA's, LLaVA-NeXT's, Qwen2-VL's, Qwen2.5-VL's and
+Mistral 3's greedy tokens equal transformers' for prompts with images, through chunked prefill that cuts images, the prefix cache
 and preemption; and the checks on what a prompt's images must match."""
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from vision_models import (
     TOKENS_PER_IMAGE,
     hf_greedy,
     hf_inputs,
+    hf_next_inputs,
     hf_qwen_greedy,
     image,
     mistral3_inputs,
     qwen_inputs,
     save_tiny_llava,
+    save_tiny_llava_next,
     save_tiny_mistral3,
     save_tiny_qwen_vl,
 )
@@ -254,3 +256,23 @@ def test_mistral3_greedy_equals_transformers(tmp_path):
     with pytest.raises(InvalidRequestError, match="image_sizes"):
         engine.add_request(ImagePrompt(prompts[0], ImageInputs(cases[0]["pixel_values"], ("x", "y"))),
                            SamplingParams(max_tokens=2), "no-sizes")
+
+
+def test_llava_next_greedy_equals_transformers(tmp_path):
+    # LLaVA-NeXT: each image tiled at its best pinpoint; its count follows its size (92 features here).
+    import transformers
+
+    path = save_tiny_llava_next(tmp_path / "llava-next")
+    cases = [hf_next_inputs(path, TEXT, [image(1, (40, 70)), image(2, (30, 30))]),
+             hf_next_inputs(path, TEXT, [image(3, (70, 40)), image(4, (64, 20))])]
+    model = transformers.LlavaNextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    refs = []
+    for enc in cases:
+        with torch.no_grad():
+            out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, pad_token_id=0)
+        refs.append(out[0, enc["input_ids"].shape[1]:].tolist())
+    engine = make_engine(path, max_num_batched_tokens=16)
+    prompts = [ImagePrompt(enc["input_ids"][0].tolist(), ImageInputs(enc["pixel_values"], (f"n{k}a", f"n{k}b"), None,
+                                                                       enc["image_sizes"]))
+               for k, enc in enumerate(cases)]
+    assert run(engine, prompts) == refs  # both at once: one tower run over every tile

@@ -228,3 +228,42 @@ def mistral3_inputs(path: Path, text: str, pictures: list) -> dict:
         enc["input_ids"] = torch.tensor([ids])
     enc["attention_mask"] = torch.ones_like(enc["input_ids"])
     return enc
+
+
+def save_tiny_llava_next(path: Path) -> Path:
+    """A tiny LLaVA-NeXT: save_tiny_llava's tower (32 px tiles of 16 features) on the grid pinpoints
+    32x64, 64x32 and 64x64, a random image_newline, and the model's own LlavaNextProcessor."""
+    import transformers
+
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(BUNDLED_MODEL)
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    text = transformers.LlamaConfig.from_pretrained(BUNDLED_MODEL)
+    text.vocab_size = len(tok)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
+    pinpoints = [[32, 64], [64, 32], [64, 64]]
+    config = transformers.LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=len(tok) - 1,
+                                          image_grid_pinpoints=pinpoints, vision_feature_layer=-2,
+                                          vision_feature_select_strategy="default", tie_word_embeddings=True)
+    torch.manual_seed(17)
+    model = transformers.LlavaNextForConditionalGeneration(config).eval()
+    decoder = transformers.LlamaForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32)
+    decoder.resize_token_embeddings(len(tok), mean_resizing=False)
+    model.model.language_model.load_state_dict(decoder.model.state_dict())
+    with torch.no_grad():
+        for p in model.model.multi_modal_projector.parameters():
+            p.mul_(8)
+        model.model.image_newline.normal_(0, 1)
+    model.save_pretrained(path)
+    images = transformers.LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                                  image_grid_pinpoints=pinpoints)
+    transformers.LlavaNextProcessor(image_processor=images, tokenizer=tok, patch_size=8,
+                                    vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                    chat_template=CHAT_TEMPLATE).save_pretrained(path)
+    return path
+
+
+def hf_next_inputs(path: Path, text: str, pictures: list) -> dict:
+    import transformers
+
+    return dict(transformers.AutoProcessor.from_pretrained(path)(text=text, images=pictures or None, return_tensors="pt"))

@@ -151,18 +151,29 @@ def test_responses_api_input_image(server):
     assert r.output_text == chat.choices[0].message.content
 
 
-@pytest.mark.parametrize("family", ["qwen2-vl", "mistral3"])
+@pytest.mark.parametrize("family", ["qwen2-vl", "mistral3", "llava-next"])
 def test_size_dependent_images_through_chat(tmp_path, family):
     """Images whose feature count follows their size (Qwen2-VL: a run per image; Mistral 3: rows ended
-    by [IMG_BREAK] and [IMG_END]), through an in-process server, answered as transformers does."""
+    by [IMG_BREAK] and [IMG_END]; LLaVA-NeXT: tiles), through an in-process server, answered as
+    transformers does."""
     import torch
     import transformers
     from gateway_helpers import InProcessGateway
-    from vision_models import mistral3_inputs, qwen_inputs, save_tiny_mistral3, save_tiny_qwen_vl
+    from vision_models import (
+        hf_next_inputs,
+        mistral3_inputs,
+        qwen_inputs,
+        save_tiny_llava_next,
+        save_tiny_mistral3,
+        save_tiny_qwen_vl,
+    )
 
     if family == "qwen2-vl":
         path = save_tiny_qwen_vl(tmp_path / "tiny-vl", "2")
         marker, inputs = "<|vision_start|><|image_pad|><|vision_end|>", qwen_inputs
+    elif family == "llava-next":
+        path = save_tiny_llava_next(tmp_path / "tiny-vl")
+        marker, inputs = "<image>", hf_next_inputs
     else:
         path = save_tiny_mistral3(tmp_path / "tiny-vl")
         marker, inputs = "[IMG]", mistral3_inputs

@@ -56,9 +56,10 @@ def _delegate(attr: str):
     return call
 
 
-# Mistral 3 (Mistral Small 3.1 and later): a Pixtral tower before the same layout of a Mistral decoder.
+# LLaVA-NeXT: LLaVA's tower on tiles of the image. Mistral 3 (Mistral Small 3.1 and later): a Pixtral
+# tower before the same layout of a Mistral decoder.
 ARCHITECTURES = [
     Architecture(name=name, parse_config=parse, expected_shapes=_delegate("expected_shapes"),
                  assemble=_delegate("assemble"))
-    for name in ("LlavaForConditionalGeneration", "Mistral3ForConditionalGeneration")
+    for name in ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", "Mistral3ForConditionalGeneration")
 ]

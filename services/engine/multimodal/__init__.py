@@ -1,10 +1,10 @@
-"""Vision-language models (LLaVA, Qwen2-VL, Qwen2.5-VL, Mistral 3): images in chat prompts.
+"""Vision-language models (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Mistral 3): images in chat prompts.
 
 - config.py: what config.json says about images (the placeholder token, tokens per image).
 - processor.py: the API side: images decoded, turned into pixels by the model's own image
   processor (transformers), and the prompt's placeholders expanded: an ImagePrompt.
 - inputs.py: ImagePrompt, and the images a sequence carries in the engine.
-- encoder.py: LLaVA's vision tower and projector; qwen_vision.py: Qwen2-VL's vision transformer;
+- encoder.py: LLaVA's vision tower and projector (LLaVA-NeXT's on tiles, anyres.py); qwen_vision.py: Qwen2-VL's vision transformer;
   pixtral_vision.py: Mistral 3's Pixtral tower and projector; each runs on a step's new images at
   the first chunk that reaches them.
 - mrope.py: Qwen2-VL's multimodal rotary positions (time, height, width per image feature).
@@ -53,4 +53,8 @@ def load_vision(args, model_dir: Path, config, dtype: torch.dtype, device: torch
         from kvrelay.engine.multimodal.pixtral_vision import PixtralEncoder
 
         return PixtralEncoder(cfg, model_dir, dtype, device, dummy)
+    if cfg.anyres:
+        from kvrelay.engine.multimodal.encoder import LlavaNextEncoder
+
+        return LlavaNextEncoder(cfg, model_dir, config.hidden_size, dtype, device, dummy=dummy)
     return VisionEncoder(cfg, model_dir, config.hidden_size, dtype, device, dummy=dummy)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvrelay.engine.errors import ModelLoadError
 
-LLAVA = ("LlavaForConditionalGeneration",)
+LLAVA = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 MISTRAL3 = ("Mistral3ForConditionalGeneration",)
 VISION_LANGUAGE_ARCHITECTURES = LLAVA + QWEN_VL + MISTRAL3
@@ -34,6 +34,11 @@ class VisionConfig:
     # Qwen2-VL, Mistral 3: patches merged per feature along each side
     spatial_merge: int = 1
     patch_size: int = 0  # Mistral 3 (Pixtral): pixels per patch side
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()  # LLaVA-NeXT: the sizes an image is tiled at (anyres.py)
+
+    @property
+    def anyres(self) -> bool:
+        return bool(self.grid_pinpoints)
 
     @property
     def qwen(self) -> bool:
@@ -84,5 +89,12 @@ def read_vision_config(model_dir: Path) -> VisionConfig | None:
         raise ModelLoadError(f"{path}: a vision-language config needs image_token_id (or image_token_index)")
     image_size, patch = int(vision.get("image_size", 224)), int(vision.get("patch_size", 32))
     tokens = (image_size // patch) ** 2 + VISION_TOWERS[tower] - (strategy == "default")
+    pinpoints = ()
+    if arch == "LlavaNextForConditionalGeneration":  # a count per image, by its size
+        pinpoints = tuple(tuple(p) for p in raw.get("image_grid_pinpoints") or [])
+        if not pinpoints or tokens != (image_size // patch) ** 2:
+            raise ModelLoadError(f"{path}: LLaVA-NeXT needs image_grid_pinpoints and one feature per patch "
+                                 "(a CLIP tower with vision_feature_select_strategy default)")
+        tokens = None
     return VisionConfig(arch, token, tokens, vision | {"model_type": tower}, layers, strategy == "default",
-                        raw.get("projector_hidden_act", "gelu"), image_size)
+                        raw.get("projector_hidden_act", "gelu"), image_size, grid_pinpoints=pinpoints)

@@ -113,12 +113,44 @@ class VisionEncoder:
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """Features of a prompt's images, in order: [images * tokens_per_image, text hidden]."""
+        feats = self.tiles(pixel_values)
+        return feats.reshape(-1, feats.shape[-1])
+
+    @torch.inference_mode()
+    def tiles(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Projected features per image (or LLaVA-NeXT tile): [images, tokens_per_image, text hidden]."""
         out = self.tower(pixel_values.to(device=self.device, dtype=self.dtype), output_hidden_states=True)
         layers = [out.hidden_states[i] for i in self.cfg.feature_layers]
         if self.cfg.drop_class_token:
             layers = [h[:, 1:] for h in layers]
         feats = torch.cat(layers, dim=-1)
         p = self.proj
-        feats = F.linear(self.act(F.linear(feats, p["linear_1.weight"], p.get("linear_1.bias"))),
-                         p["linear_2.weight"], p.get("linear_2.bias"))
-        return feats.reshape(-1, feats.shape[-1])
+        return F.linear(self.act(F.linear(feats, p["linear_1.weight"], p.get("linear_1.bias"))),
+                        p["linear_2.weight"], p.get("linear_2.bias"))
+
+
+class LlavaNextEncoder(VisionEncoder):
+    """LLaVA's tower and projector on each image's tiles, laid out by anyres.pack with the learned
+    image_newline (LLaVA-NeXT)."""
+
+    def __init__(self, cfg: VisionConfig, model_dir: Path, text_hidden: int, dtype: torch.dtype,
+                 device: torch.device, dummy: bool = False):
+        super().__init__(cfg, model_dir, text_hidden, dtype, device, dummy)
+        if dummy:
+            newline = torch.randn(text_hidden, generator=torch.Generator().manual_seed(1)) * 0.02
+        else:
+            files = shard_files(model_dir)
+            newline = _reader(files)(_finder(model_dir, files)(("", "model."), "image_newline"))
+        self.newline = newline.to(device=device, dtype=dtype)
+
+    @torch.inference_mode()
+    def encode_many(self, images: list) -> list[torch.Tensor]:
+        from kvrelay.engine.multimodal.anyres import num_tiles, pack
+
+        sizes = [[tuple(s) for s in im.image_sizes.tolist()] for im in images]
+        counts = [[num_tiles(self.cfg, s) for s in seq] for seq in sizes]
+        # Each image's tiles without the processor's padding to the request's largest count, all in one run.
+        tiles = self.tiles(torch.cat([im.pixel_values[k, :n] for im, seq in zip(images, counts)
+                                      for k, n in enumerate(seq)]))
+        parts = iter(tiles.split([n for seq in counts for n in seq]))
+        return [torch.cat([pack(self.cfg, next(parts), s, self.newline) for s in seq]) for seq in sizes]

@@ -100,7 +100,7 @@ def prompt_images(encoder, prompt, ids: list[int]) -> SequenceImages | None:
         rope, delta = mrope_positions(array, cfg.image_token_id, grids, cfg.spatial_merge)
         return SequenceImages(images.pixel_values, positions, grid_thw=images.grid_thw, rope=rope, rope_delta=delta,
                               keys=keys)
-    if cfg.pixtral:
+    if cfg.pixtral or cfg.anyres:
         return SequenceImages(images.pixel_values, positions, image_sizes=images.image_sizes, keys=keys)
     if tuple(images.pixel_values.shape[1:]) != cfg.pixel_shape:
         raise InvalidRequestError(f"images: pixel values of shape {list(images.pixel_values.shape[1:])}, but the "
@@ -131,6 +131,14 @@ def image_token_counts(cfg, images: ImageInputs) -> list[int]:
     """Placeholder tokens per image: fixed (LLaVA), or each grid's t*h*w over the merge squared (Qwen2-VL)."""
     from kvrelay.engine.errors import InvalidRequestError
 
+    if cfg.anyres:
+        from kvrelay.engine.multimodal.anyres import feature_count
+
+        sizes = images.image_sizes
+        if sizes is None or sizes.shape != (images.pixel_values.shape[0], 2):
+            raise InvalidRequestError("images: LLaVA-NeXT images need their sizes (image_sizes), one (height, width) "
+                                      "row per image", field="messages")
+        return [feature_count(cfg, tuple(s)) for s in sizes.tolist()]
     if cfg.pixtral:
         sizes = images.image_sizes
         if sizes is None or sizes.ndim != 2 or sizes.shape != (images.pixel_values.shape[0], 2):
