@@ -38,6 +38,8 @@ class StepBatch:
     # their placeholder token's embedding (kvrelay.engine.multimodal); None: no image in the step.
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    # Qwen3-VL: features added to the outputs of the first decoder layers at image_rows [levels, rows, hidden].
+    image_deepstack: torch.Tensor | None = None
     # M-RoPE (Qwen2-VL, kvrelay.engine.multimodal.mrope): rows whose (time, height, width) positions
     # differ [rows], and those positions [3, rows]; every other row's position is its rotary one.
     rope_rows: torch.Tensor | None = None
@@ -122,7 +124,8 @@ class DecoderModel:
             hidden.index_copy_(0, batch.image_rows, batch.image_embeds.to(hidden.dtype))
         if batch.rope_rows is not None:  # image rows rotate by a cos/sin row of their own
             table = self.cos_sin_cache[batch.positions]
-            table[batch.rope_rows] = mixed_cos_sin(self.cos_sin_cache, batch.rope_positions, self.config.mrope_section)
+            table[batch.rope_rows] = mixed_cos_sin(self.cos_sin_cache, batch.rope_positions, self.config.mrope_section,
+                                                   self.config.mrope_interleaved)
             self.step_rope = (torch.arange(table.shape[0], device=table.device), table)
         try:
             hidden, residual = self.run_layers(batch, kv_cache, hidden, None)
@@ -169,6 +172,9 @@ class DecoderModel:
                     self.layer_hook(layer_idx, batch)
                 attn = self.layer_attention(layer_idx, q, k, v, batch, kv_cache)
                 hidden, residual = self.layer_output(layer_idx, attn, residual)
+                deep = batch.image_deepstack
+                if deep is not None and layer_idx < deep.shape[0]:  # the stream is hidden + residual
+                    hidden.index_add_(0, batch.image_rows, deep[layer_idx].to(hidden.dtype))
         finally:
             self.lora_plan = None
         return hidden, residual

@@ -57,6 +57,7 @@ class ModelConfig:
     # Qwen2-VL's multimodal rotary (M-RoPE): how many frequencies take each of the (time, height, width)
     # positions (kvrelay.engine.multimodal.mrope); None: one position per token.
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL: the sections' frequencies interleave (t, h, w, t, h, w, ...)
 
     @property
     def q_size(self) -> int:

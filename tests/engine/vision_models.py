@@ -94,8 +94,9 @@ QWEN_TEMPLATE = CHAT_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><
 
 
 def save_tiny_qwen_vl(path: Path, version: str = "2") -> Path:
-    """A tiny Qwen2-VL (version "2") or Qwen2.5-VL ("2.5"): a random vision transformer (14 px patches,
-    2x2 merge) in front of the bundled model's weights as a Qwen2 decoder (q/k/v biases zero), with
+    """A tiny Qwen2-VL (version "2"), Qwen2.5-VL ("2.5") or Qwen3-VL ("3"): a random vision transformer
+    (14 px patches, 16 for Qwen3-VL; 2x2 merge) in front of the bundled model's weights as a Qwen2
+    decoder (q/k/v biases zero; Qwen3-VL: Qwen3, q/k norms one), with
     M-RoPE sections [1, 2, 1] of its 4 frequencies at rope_theta 10 (so height and width turn enough to
     matter), and the model's image processor (4-16 features per image)."""
     import transformers
@@ -113,11 +114,21 @@ def save_tiny_qwen_vl(path: Path, version: str = "2") -> Path:
     common = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
               "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
               "tie_word_embeddings": True}
+    patch = 14
     if version == "2":
         vision = {"depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_ratio": 2, "hidden_size": s.hidden_size,
                   "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
         config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **common)
         model_cls = transformers.Qwen2VLForConditionalGeneration
+    elif version == "3":  # a Qwen3 decoder (q/k norms), interleaved sections, deepstack from both tower layers
+        patch = 16
+        text["head_dim"] = s.head_dim
+        text["rope_parameters"] |= {"mrope_interleaved": True}
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": s.hidden_size,
+                  "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16,
+                  "deepstack_visual_indexes": [0, 1]}
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **common)
+        model_cls = transformers.Qwen3VLForConditionalGeneration
     else:
         vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": s.hidden_size,
                   "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
@@ -130,13 +141,19 @@ def save_tiny_qwen_vl(path: Path, version: str = "2") -> Path:
     stories.resize_token_embeddings(len(tok), mean_resizing=False)
     state = stories.model.state_dict()
     with torch.no_grad():
-        for name, p in decoder.named_parameters():
-            p.copy_(state[name] if name in state else torch.zeros_like(p))  # the q/k/v biases: zero
+        for name, p in decoder.named_parameters():  # q/k/v biases zero, q/k norms one
+            p.copy_(state[name] if name in state else torch.ones_like(p) if name.endswith("norm.weight")
+                    else torch.zeros_like(p))
         for p in model.model.visual.merger.parameters():  # larger merger weights: the images steer the decoder
             p.mul_(8)
+        for merger in getattr(model.model.visual, "deepstack_merger_list", []):
+            for p in merger.parameters():
+                p.mul_(8)
     model.save_pretrained(path)
     # The image processor and tokenizer, not Qwen2VLProcessor (its video half needs torchvision).
-    transformers.Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(path)
+    side = 2 * patch  # pixels per feature
+    transformers.Qwen2VLImageProcessor(patch_size=patch, min_pixels=side * side * 4,
+                                       max_pixels=side * side * 16).save_pretrained(path)
     tok.chat_template = QWEN_TEMPLATE
     tok.save_pretrained(path)
     return path

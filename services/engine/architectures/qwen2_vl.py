@@ -1,9 +1,11 @@
-"""Qwen2-VL and Qwen2.5-VL: a vision transformer whose merger emits a variable number of features
-per image (by its size), in front of a Qwen2 decoder with multimodal rotary positions (M-RoPE).
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a vision transformer whose merger emits a variable number of
+features per image (by its size), in front of a Qwen2 (Qwen3-VL: Qwen3) decoder with multimodal
+rotary positions (M-RoPE; Qwen3-VL interleaves its sections and adds "deepstack" features of the
+tower's middle layers to the first decoder layers' outputs at the image rows).
 
 As with LLaVA (llava.py), the decoder is its text architecture, Qwen2: this entry reads the text
-fields (`text_config`, or the top level in the hub's files) and returns Qwen2's ModelConfig with
-`mrope_section` set; the decoder's tensors sit under "model." as Qwen2's do. The vision half and the
+fields (`text_config`, or the top level in the hub's files) and returns the decoder's ModelConfig
+with `mrope_section` set; the decoder's tensors sit under "model." or "model.language_model.". The vision half and the
 positions are kvrelay.engine.multimodal's.
 """
 
@@ -25,21 +27,28 @@ def parse(raw: dict, source: str, arch: str) -> ModelConfig:
     key = "rope_parameters" if "rope_parameters" in text else "rope_scaling"
     rope = dict(text.get(key) or {})
     section = rope.pop("mrope_section", None)
+    interleaved = bool(rope.pop("mrope_interleaved", False))
     if not section:
         raise ModelLoadError(f"{source}: {arch} needs rope_parameters.mrope_section (M-RoPE)")
     if rope.get("rope_type", rope.get("type")) in ("mrope", "default", None):
         rope.pop("type", None)
         rope["rope_type"] = "default"
     text[key] = rope
-    inner = get("Qwen2ForCausalLM")
+    inner = get(TEXT[arch])
     config = inner.parse_config(text, f"{source} (text)", inner.name)
     if 2 * sum(section) != config.head_dim:
         raise ModelLoadError(f"{source}: mrope_section {section} must sum to head_dim / 2 = {config.head_dim // 2}")
-    return dataclasses.replace(config, mrope_section=tuple(int(s) for s in section))
+    return dataclasses.replace(config, mrope_section=tuple(int(s) for s in section), mrope_interleaved=interleaved)
 
+
+TEXT = {  # architecture -> its decoder's
+    "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+}
 
 ARCHITECTURES = [
     Architecture(name=name, parse_config=parse, expected_shapes=_delegate("expected_shapes"),
                  assemble=_delegate("assemble"))
-    for name in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+    for name in TEXT
 ]

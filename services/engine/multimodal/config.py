@@ -10,7 +10,7 @@ from pathlib import Path
 from kvrelay.engine.errors import ModelLoadError
 
 LLAVA = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
-QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 MISTRAL3 = ("Mistral3ForConditionalGeneration",)
 VISION_LANGUAGE_ARCHITECTURES = LLAVA + QWEN_VL + MISTRAL3
 # Vision towers with a fixed image size (one image, one run of placeholder tokens); the class token

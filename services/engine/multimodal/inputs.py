@@ -50,6 +50,9 @@ class SequenceImages:
     rope_delta: int = 0
     # The prompt's ids for prefix-cache keys: each placeholder as its image's key (cache_keys).
     keys: np.ndarray | None = None
+    # Qwen3-VL: the tower's middle layers' features [levels, len(positions), hidden], added to the
+    # first decoder layers' outputs at the placeholder rows ("deepstack").
+    deepstack: torch.Tensor | None = None
 
     def reaches(self, start: int, count: int) -> bool:
         """Whether positions [start, start + count) hold placeholders (the step needs features)."""
@@ -57,19 +60,21 @@ class SequenceImages:
         return bool(lo < hi)
 
 
-def image_rows(spans: list[tuple[SequenceImages, int, int, int]],
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The step's rows that take image features instead of token embeddings, and those features.
+def image_rows(spans: list[tuple[SequenceImages, int, int, int]], device: torch.device):
+    """(rows, features, deepstack features or None): the step's rows that take image features
+    instead of token embeddings, and those features; None when the step has none.
     spans: (images, first position, tokens, first row in the step) per scheduled chunk."""
-    rows, parts = [], []
+    rows, parts, deep = [], [], []
     for images, start, count, first_row in spans:
         lo, hi = np.searchsorted(images.positions, [start, start + count])
         if lo < hi:
             rows.append(images.positions[lo:hi] - start + first_row)
             parts.append(images.embeds[lo:hi])
+            if images.deepstack is not None:
+                deep.append(images.deepstack[:, lo:hi])
     if not rows:
         return None
-    return torch.from_numpy(np.concatenate(rows)).to(device), torch.cat(parts)
+    return torch.from_numpy(np.concatenate(rows)).to(device), torch.cat(parts), torch.cat(deep, 1) if deep else None
 
 
 def prompt_images(encoder, prompt, ids: list[int]) -> SequenceImages | None:

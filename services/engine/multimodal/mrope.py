@@ -64,11 +64,19 @@ def rope_rows(positions: np.ndarray, spans) -> tuple[np.ndarray, np.ndarray] | N
     return np.concatenate(rows_out), np.concatenate(pos_out, axis=1)
 
 
-def mixed_cos_sin(cache: torch.Tensor, pos3: torch.Tensor, section: tuple[int, ...]) -> torch.Tensor:
-    """Rows of the rotary table [rows, head_dim] (cos half, sin half) where frequency group k takes
-    its cos and sin at position axis k % 3 (the t, h, w sections of mrope_section)."""
+def mixed_cos_sin(cache: torch.Tensor, pos3: torch.Tensor, section: tuple[int, ...],
+                  interleaved: bool = False) -> torch.Tensor:
+    """Rows of the rotary table [rows, head_dim] (cos half, sin half) where each frequency takes its
+    cos and sin at one position axis: the t, h, w sections of mrope_section in turn (Qwen2-VL), or
+    interleaved t, h, w, t, h, w, ... while h and w last (Qwen3-VL)."""
     half = cache.shape[1] // 2
-    axis = torch.repeat_interleave(torch.arange(len(section)) % 3, torch.tensor(section)).to(cache.device)
+    if interleaved:
+        axis = torch.zeros(half, dtype=torch.long)
+        axis[1 : 3 * section[1] : 3] = 1
+        axis[2 : 3 * section[2] : 3] = 2
+        axis = axis.to(cache.device)
+    else:
+        axis = torch.repeat_interleave(torch.arange(len(section)) % 3, torch.tensor(section)).to(cache.device)
     axis = torch.cat([axis, axis])  # the sin half as the cos half
     cols = torch.arange(2 * half, device=cache.device)
     return cache[pos3[axis].T, cols]

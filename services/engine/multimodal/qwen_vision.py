@@ -17,6 +17,7 @@ TOWERS = {  # architecture -> (transformers module, class)
     "Qwen2VLForConditionalGeneration": ("qwen2_vl.modeling_qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl.modeling_qwen2_5_vl",
                                            "Qwen2_5_VisionTransformerPretrainedModel"),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),
 }
 
 
@@ -35,13 +36,17 @@ class QwenVisionEncoder:
             load_module(self.tower, model_dir, shard_files(model_dir), ("visual.", "model.visual."))
         self.tower.to(device=device, dtype=dtype)
 
-    def encode_many(self, images: list) -> list[torch.Tensor]:
-        """Each SequenceImages' features, in one run of the tower."""
-        feats = self.encode(torch.cat([im.pixel_values for im in images]), torch.cat([im.grid_thw for im in images]))
-        return list(feats.split([len(im.positions) for im in images]))
-
     @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
-        """Merged features of a prompt's images, in order: [sum of each grid's t*h*w / merge^2, hidden]."""
-        out = self.tower(pixel_values.to(device=self.device, dtype=self.dtype), grid_thw=grid_thw.to(self.device))
-        return getattr(out, "pooler_output", out)  # transformers before 5.2x returned the tensor itself
+    def encode_many(self, images: list) -> list[torch.Tensor]:
+        """Each SequenceImages' features, in one run of the tower; Qwen3-VL's deepstack features are
+        set on each (SequenceImages.deepstack)."""
+        grid = torch.cat([im.grid_thw for im in images])
+        out = self.tower(torch.cat([im.pixel_values for im in images]).to(device=self.device, dtype=self.dtype),
+                         grid_thw=grid.to(self.device))
+        sizes = [len(im.positions) for im in images]
+        deep = getattr(out, "deepstack_features", None)
+        if deep:
+            for im, part in zip(images, torch.stack(deep).split(sizes, dim=1)):
+                im.deepstack = part
+        # transformers before 5.2x returned the tensor itself (Qwen2-VL)
+        return list(getattr(out, "pooler_output", out).split(sizes))

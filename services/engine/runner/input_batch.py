@@ -311,6 +311,6 @@ class InputBatch:
             found = image_rows([(seqs[i].images, seqs[i].num_computed, num_new[i], first_row[i]) for i in images],
                                self.device)
             if found is not None:
-                batch.image_rows, batch.image_embeds = found
+                batch.image_rows, batch.image_embeds, batch.image_deepstack = found
         src_dev = None if src_off is None else v(src_off, (nd,), torch.int64)
         return BuiltStep(batch, sample_idx, nd, rows_per_sample, prompt_spans, src_dev)
