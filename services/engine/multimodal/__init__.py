@@ -1,10 +1,11 @@
-"""Vision-language models (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Mistral 3): images in chat prompts.
+"""Vision-language models (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral 3): images in
+chat prompts.
 
 - config.py: what config.json says about images (the placeholder token, tokens per image).
 - processor.py: the API side: images decoded, turned into pixels by the model's own image
   processor (transformers), and the prompt's placeholders expanded: an ImagePrompt.
 - inputs.py: ImagePrompt, and the images a sequence carries in the engine.
-- encoder.py: LLaVA's vision tower and projector (LLaVA-NeXT's on tiles, anyres.py); qwen_vision.py: Qwen2-VL's vision transformer;
+- encoder.py: LLaVA's vision tower and projector (LLaVA-NeXT's on tiles, anyres.py); qwen_vision.py: the Qwen-VL vision transformers;
   pixtral_vision.py: Mistral 3's Pixtral tower and projector; each runs on a step's new images at
   the first chunk that reaches them.
 - mrope.py: Qwen2-VL's multimodal rotary positions (time, height, width per image feature).
