@@ -7,7 +7,9 @@ The limits are the server's flags (vLLM's where it has one):
 - `--allowed-media-domains`: the only hosts image URLs may name (default: any, as vLLM). Redirects
   are not followed, so a listed host cannot hand the fetch to an unlisted one. A server that callers
   it does not trust can reach should set it: the fetch runs from inside the cluster (SSRF).
-Each failure is a 400 naming the content part at fault, and nothing is scheduled.
+Each failure is a 400 naming the content part at fault, and nothing is scheduled. The request body
+itself stays under `--max-body-bytes`, whose default is 32 MiB for a vision-language model (2 MiB
+for a text model): room for photos as data URLs.
 """
 
 from __future__ import annotations

@@ -14,10 +14,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import yaml
 from kvrelay.engine.cpu_threads import split_cpus
 from kvrelay.engine.engine_args import EngineArgs, parse_bytes
+from kvrelay.engine.multimodal.config import read_vision_config
 from kvrelay.gateway import chat_render, reasoning
 from kvrelay.gateway.api_key import ENV as API_KEY_ENV
 from kvrelay.gateway.api_key import ApiKeyRegistry
@@ -36,6 +38,8 @@ from kvrelay import interrupt
 from kvrelay.log_format import add_log_arguments, setup_logging
 
 log = logging.getLogger(__name__)
+
+VISION_BODY_BYTES = 32 * 1024 * 1024  # --max-body-bytes' default for vision-language models
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "127.0.0.1") -> None:
@@ -63,7 +67,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser, default_host: str = "
     parser.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting before 503")
     parser.add_argument("--capacity", type=int, default=None,
                         help="sequences in flight before requests queue (default: the engine's --max-num-seqs)")
-    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    parser.add_argument("--max-body-bytes", type=int, default=None,
+                        help=f"request bodies past it: 413 (default {d.max_body_bytes}; for a vision-language model "
+                             f"{VISION_BODY_BYTES}, room for photos as data URLs)")
     parser.add_argument("--max-prompt-bytes", type=int, default=d.max_prompt_bytes,
                         help="UTF-8 bytes of prompt text per request, checked before tokenizing (413 past it)")
     parser.add_argument("--tokenizer-threads", type=int, default=d.tokenizer_threads,
@@ -153,10 +159,20 @@ def media_limits(args: argparse.Namespace) -> MediaLimits:
     return MediaLimits(max_images, args.max_image_bytes, args.media_fetch_timeout, domains)
 
 
+def body_limit(args: argparse.Namespace) -> int:
+    """--max-body-bytes, or its default: larger for a vision-language model, whose requests carry images."""
+    if args.max_body_bytes is not None:
+        return args.max_body_bytes
+    model = getattr(args, "model", None)
+    if model and Path(model).is_dir() and read_vision_config(Path(model)) is not None:
+        return VISION_BODY_BYTES
+    return GatewayConfig.max_body_bytes
+
+
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit(f"kvrelay: --enable-auto-tool-choice needs --tool-call-parser ({', '.join(sorted(PARSERS))})")
-    return GatewayConfig(max_queue=args.max_queue, capacity=args.capacity, max_body_bytes=args.max_body_bytes,
+    return GatewayConfig(max_queue=args.max_queue, capacity=args.capacity, max_body_bytes=body_limit(args),
                          lease_ttl_s=args.lease_ttl, quota_fail_open=args.quota_failure_policy == "open",
                          quota_wait_s=args.quota_wait, max_prompt_bytes=args.max_prompt_bytes,
                          tokenizer_threads=args.tokenizer_threads,

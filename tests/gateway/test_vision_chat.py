@@ -196,3 +196,13 @@ def test_size_dependent_images_through_chat(tmp_path, family):
         assert counted.status_code == 400 and "as their size asks" in counted.json()["error"]["message"]
     finally:
         gw.stop()
+
+
+def test_a_vision_model_takes_bodies_with_photos(server):
+    """Without --max-body-bytes a vision-language server takes bodies of 32 MiB (a text model 2 MiB): a
+    3 MB photo reaches the image checks (its own limit here is 8000 bytes) instead of a 413."""
+    big = data_url(image(5, (1000, 1000)))
+    assert 2 * 1024 * 1024 < len(big) < 32 * 1024 * 1024
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(server, story(big, data_url(image(2))))
+    assert "over 8000 bytes" in e.value.body["message"]
