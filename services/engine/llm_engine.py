@@ -108,7 +108,7 @@ class LLMEngine(RequestBuilderMixin, HandoffMixin):
         world = args.tensor_parallel_size * args.pipeline_parallel_size
         self.vision = load_vision(args, model_dir, self.config, self.dtype, self.device,  # images: LLaVA
                                   parallel=world > 1 or args.distributed_executor_backend == "mp",
-                                  speculative=spec is not None, pooling=self.pooler is not None)
+                                  speculative=spec is not None and spec.method != "ngram", pooling=self.pooler is not None)
 
         # Sliding-window layers attend to their window in the kernels: the context is not capped at it.
         self.max_model_len = self.config.max_context

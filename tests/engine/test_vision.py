@@ -154,7 +154,8 @@ def image_pixels():
 
 
 @pytest.mark.parametrize("settings,message", [
-    ({"speculative_method": "ngram", "num_speculative_tokens": 2}, "speculative decoding"),
+    ({"speculative_method": "draft", "speculative_model": str(BUNDLED_MODEL), "num_speculative_tokens": 2},
+     "a draft model"),
     ({"enable_lora": True}, "LoRA"),
     ({"distributed_executor_backend": "mp"}, "parallelism"),
 ])
@@ -276,3 +277,28 @@ def test_llava_next_greedy_equals_transformers(tmp_path):
                                                                        enc["image_sizes"]))
                for k, enc in enumerate(cases)]
     assert run(engine, prompts) == refs  # both at once: one tower run over every tile
+
+
+def test_ngram_speculation_with_images_is_lossless(llava, qwen_vl):
+    """--speculative-method ngram: verification rows beside prefill chunks with images, and (Qwen-VL)
+    M-RoPE positions on every verified row; tokens equal transformers' greedy ones."""
+    cases = [(llava, prompt_of(*hf_inputs(llava, TEXT, [image(1), image(2)])), None),
+             (qwen_vl, None, qwen_inputs(qwen_vl, QWEN_TEXT, [image(1, SIZES[0]), image(2, SIZES[1])]))]
+    for path, prompt, enc in cases:
+        ref = hf_greedy(path, list(prompt), prompt.images.pixel_values, 40) if enc is None else \
+            hf_qwen_greedy(path, enc, 40)
+        prompt = prompt if enc is None else qwen_prompt(enc)
+        engine = make_engine(path, speculative_method="ngram", num_speculative_tokens=3, max_num_batched_tokens=16,
+                             speculative_adaptive=False)
+        # A second request arrives while the first decodes: its image chunks share steps with verification.
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), "a")
+        out: dict[str, list[int]] = {"a": [], "b": []}
+        added = False
+        while engine.has_work():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+            if not added and len(out["a"]) >= 4:
+                engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), "b")
+                added = True
+        assert out == {"a": ref, "b": ref}
+        assert engine.speculator.stats.num_draft_tokens > 0  # proposals were verified (accepted or not)

@@ -30,12 +30,12 @@ __all__ = ["VisionConfig", "VisionEncoder", "load_vision", "read_vision_config"]
 def load_vision(args, model_dir: Path, config, dtype: torch.dtype, device: torch.device, *,
                 parallel: bool, speculative: bool, pooling: bool):
     """The model's vision encoder; None for a text-only model. Raises ValueError for engine settings
-    that do not run images yet."""
+    that do not run images yet (speculative: a draft model, which would need the images too)."""
     cfg = read_vision_config(model_dir)
     if cfg is None:
         return None
     refused = [(parallel, "tensor or pipeline parallelism (--tensor-parallel-size, --pipeline-parallel-size, --distributed-executor-backend mp)"),
-               (speculative, "speculative decoding (--speculative-method)"),
+               (speculative, "a draft model (--speculative-method draft; ngram works)"),
                (pooling, "--runner pooling"),
                (bool(getattr(args, "enable_lora", False)), "LoRA adapters (--enable-lora)")]
     for on, what in refused:

@@ -269,10 +269,9 @@ class InputBatch:
         plen, plen_off = st.take(len(pre), np.int32)
         plen[:] = pre_starts + pre_counts
         first_row = {}
-        if images or rope:
-            if all_logits:
-                raise ValueError("a step with images carries no speculative verification")
-            first_row = {i: r for r, i in enumerate(dec)} | dict(zip(pre, (nd + pad + np.cumsum(pre_counts) - pre_counts).tolist()))
+        if images or rope:  # each scheduled sequence's first row in the step
+            dec_first = range(len(dec)) if counts_dec is None else (np.cumsum(counts_dec) - counts_dec).tolist()
+            first_row = dict(zip(dec, dec_first)) | dict(zip(pre, (nd + pad + np.cumsum(pre_counts) - pre_counts).tolist()))
         mixed = None
         if rope:  # before the send: the rows' positions become rotary positions
             mixed = rope_rows(positions, [(seqs[i].images, seqs[i].num_computed, num_new[i], first_row[i]) for i in rope])
