@@ -65,20 +65,34 @@ def make_requests(n: int, path: Path, seed: int = 7):
 
 
 def run_kvrelay(engine, requests, max_tokens: int):
+    """(seconds, each request's tokens, seconds of them in the vision tower)."""
     from kvrelay.engine.multimodal.inputs import ImageInputs, ImagePrompt
     from kvrelay.engine.sampling_params import SamplingParams
 
+    tower, in_tower = engine.vision, [0.0]
+
+    def timed(images):  # the tower's share of the run (the same transformers module as HF's)
+        t0 = time.perf_counter()
+        try:
+            return type(tower).encode_many(tower, images)
+        finally:
+            in_tower[0] += time.perf_counter() - t0
+
+    tower.encode_many = timed
     tokens: dict[str, list[int]] = {}
     start = time.perf_counter()
-    for k, (ids, pixels) in enumerate(requests):
-        digest = hashlib.sha256(pixels.numpy().tobytes()).hexdigest()
-        engine.add_request(ImagePrompt(ids, ImageInputs(pixels, (digest,))),
-                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), f"r{k}")
-        tokens[f"r{k}"] = []
-    while engine.has_work():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-    return time.perf_counter() - start, [tokens[f"r{k}"] for k in range(len(requests))]
+    try:
+        for k, (ids, pixels) in enumerate(requests):
+            digest = hashlib.sha256(pixels.numpy().tobytes()).hexdigest()
+            engine.add_request(ImagePrompt(ids, ImageInputs(pixels, (digest,))),
+                               SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), f"r{k}")
+            tokens[f"r{k}"] = []
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+    finally:
+        del tower.encode_many
+    return time.perf_counter() - start, [tokens[f"r{k}"] for k in range(len(requests))], in_tower[0]
 
 
 def run_hf(model, requests, batch: int, max_tokens: int):
@@ -121,15 +135,18 @@ def main() -> None:
         requests = make_requests(args.requests, path)
         engine = LLMEngine(EngineArgs(model=str(path), max_num_seqs=args.requests, enable_prefix_caching=False))
         hf = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-        _, ours = run_kvrelay(engine, requests[:2], 8)  # warm-up, and the check (one request per HF batch)
+        _, ours, _ = run_kvrelay(engine, requests[:2], 8)  # warm-up, and the check (one request per HF batch)
         _, ref = run_hf(hf, requests[:2], 1, 8)
         print(f"greedy tokens equal to HF's on 2 requests: {ours == ref}")
         if ours != ref:
             raise SystemExit("MISMATCH: kvrelay's tokens differ from transformers'")
         names = ["kvrelay", f"HF padded batches of {args.batch}", "HF one at a time"]
         times: dict[str, list[float]] = {n: [] for n in names}
+        tower: list[float] = []
         for _ in range(args.rounds):
-            times[names[0]].append(run_kvrelay(engine, requests, args.max_tokens)[0])
+            seconds, _, in_tower = run_kvrelay(engine, requests, args.max_tokens)
+            times[names[0]].append(seconds)
+            tower.append(in_tower)
             times[names[1]].append(run_hf(hf, requests, args.batch, args.max_tokens)[0])
             times[names[2]].append(run_hf(hf, requests, 1, args.max_tokens)[0])
     generated = args.requests * args.max_tokens
@@ -142,6 +159,8 @@ def main() -> None:
         t = statistics.median(ts)
         rows[name] = {"seconds": t, "requests_per_s": args.requests / t, "output_tokens_per_s": generated / t}
         print(f"| {name} | {args.requests / t:.2f} | {generated / t:,.0f} | {base / t:.2f}x |")
+    print(f"kvrelay's vision tower: {statistics.median(tower):.2f} s of its {statistics.median(times[names[0]]):.2f} s")
+    rows["kvrelay"]["tower_seconds"] = statistics.median(tower)
     print(json.dumps(rows))
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from kvrelay.engine.model_config import ModelConfig, rope_cos_sin_cache
+from kvrelay.engine.multimodal.inputs import StepImages
 from kvrelay.engine.multimodal.mrope import mixed_cos_sin
 from kvrelay.engine.parallel.layers import all_reduce, gather_vocab_logits, vocab_parallel_embedding
 from kvrelay.engine.parallel.state import get_parallel_state
@@ -34,16 +35,9 @@ class StepBatch:
     prefill_fresh_max_len: int = 0
     # LoRA: (adapter index, its rows of T, None for all) per adapter in the step; None: base model only.
     lora: list[tuple[int, torch.Tensor | None]] | None = None
-    # Vision-language models: the rows of T that take image features [rows, hidden] instead of
-    # their placeholder token's embedding (kvrelay.engine.multimodal); None: no image in the step.
-    image_rows: torch.Tensor | None = None
-    image_embeds: torch.Tensor | None = None
-    # Qwen3-VL: features added to the outputs of the first decoder layers at image_rows [levels, rows, hidden].
-    image_deepstack: torch.Tensor | None = None
-    # M-RoPE (Qwen2-VL, kvrelay.engine.multimodal.mrope): rows whose (time, height, width) positions
-    # differ [rows], and those positions [3, rows]; every other row's position is its rotary one.
-    rope_rows: torch.Tensor | None = None
-    rope_positions: torch.Tensor | None = None
+    # Vision-language models: the rows of T that take image features instead of their placeholder
+    # token's embedding (kvrelay.engine.multimodal.inputs.StepImages); None: no image in the step.
+    images: StepImages | None = None
 
 
 class DecoderModel:
@@ -120,12 +114,13 @@ class DecoderModel:
         """Runs the step, writing new K/V into kv_cache; returns fp32 logits [S, vocab]."""
         self.begin_step(batch.slot_mapping)
         hidden = self.embed(batch.input_ids)
-        if batch.image_rows is not None:
-            hidden.index_copy_(0, batch.image_rows, batch.image_embeds.to(hidden.dtype))
-        if batch.rope_rows is not None:  # image rows rotate by a cos/sin row of their own
+        img = batch.images
+        if img is not None:
+            hidden.index_copy_(0, img.rows, img.embeds.to(hidden.dtype))
+        if img is not None and img.rope_positions is not None:  # image rows rotate by a cos/sin row of their own
             table = self.cos_sin_cache[batch.positions]
-            table[batch.rope_rows] = mixed_cos_sin(self.cos_sin_cache, batch.rope_positions, self.config.mrope_section,
-                                                   self.config.mrope_interleaved)
+            table[img.rows] = mixed_cos_sin(self.cos_sin_cache, img.rope_positions, self.config.mrope_section,
+                                            self.config.mrope_interleaved)
             self.step_rope = (torch.arange(table.shape[0], device=table.device), table)
         try:
             hidden, residual = self.run_layers(batch, kv_cache, hidden, None)
@@ -164,6 +159,8 @@ class DecoderModel:
         so piecewise CUDA graphs (runner/piecewise_graphs.py) can capture the two that do not
         depend on the step's sequences and run attention between them."""
         self.lora_plan = batch.lora
+        img = batch.images  # Qwen3-VL: deepstack features join the first layers' outputs
+        deep = None if img is None else img.deepstack
         try:
             for layer_idx in range(len(self.w.layers)):
                 q, k, v, residual = self.layer_qkv(layer_idx, hidden, residual, batch.positions, batch.slot_mapping,
@@ -172,9 +169,8 @@ class DecoderModel:
                     self.layer_hook(layer_idx, batch)
                 attn = self.layer_attention(layer_idx, q, k, v, batch, kv_cache)
                 hidden, residual = self.layer_output(layer_idx, attn, residual)
-                deep = batch.image_deepstack
                 if deep is not None and layer_idx < deep.shape[0]:  # the stream is hidden + residual
-                    hidden.index_add_(0, batch.image_rows, deep[layer_idx].to(hidden.dtype))
+                    hidden.index_add_(0, img.rows, deep[layer_idx].to(hidden.dtype))
         finally:
             self.lora_plan = None
         return hidden, residual

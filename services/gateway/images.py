@@ -106,17 +106,14 @@ class ImageProcessor:
 
 
 async def fetch_chat_images(body, processor: ImageProcessor | None, limits) -> list[tuple[str, bytes]] | None:
-    """The chat request's images, encoded, with their fields (media.py); None when it has none.
-    A text-only model refuses them before anything is fetched."""
+    """The chat request's images, encoded, with their fields (media.py); None when it has none, or
+    when the model reads none (chat_render.template_messages then refuses them: nothing is fetched)."""
     import httpx
     from kvrelay.gateway import chat_render, media
 
     parts = chat_render.image_parts(body.messages)
-    if not parts:
+    if not parts or processor is None:
         return None
-    if processor is None:
-        field = parts[0][0].removesuffix(".image_url.url")
-        raise errors.bad_request(f"{field}: this model takes text only: it cannot read images", field)
     async with httpx.AsyncClient(follow_redirects=False, timeout=limits.fetch_timeout_s) as client:
         data = await media.load_images(parts, limits, client)
     return [(field, d) for (field, _), d in zip(parts, data)]

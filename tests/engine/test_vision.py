@@ -14,10 +14,10 @@ from kvrelay.engine.multimodal.inputs import ImageInputs, ImagePrompt
 from kvrelay.engine.sampling_params import SamplingParams
 from vision_models import (
     TOKENS_PER_IMAGE,
+    hf_generate,
     hf_greedy,
     hf_inputs,
     hf_next_inputs,
-    hf_qwen_greedy,
     image,
     mistral3_inputs,
     qwen_inputs,
@@ -185,7 +185,7 @@ def qwen_prompt(enc) -> ImagePrompt:
 def test_qwen_vl_greedy_equals_transformers(qwen_vl):
     cases = [qwen_inputs(qwen_vl, QWEN_TEXT, [image(1, SIZES[0]), image(2, SIZES[1])]),
              qwen_inputs(qwen_vl, QWEN_TEXT, [image(3, SIZES[0]), image(2, SIZES[1])])]
-    refs = [hf_qwen_greedy(qwen_vl, enc, MAX_NEW) for enc in cases]
+    refs = [hf_generate(qwen_vl, enc, MAX_NEW) for enc in cases]
     assert refs[0] != refs[1]
     # 16-token chunks cut the images; the second prompt's ids equal the first's (no cache reuse).
     engine = make_engine(qwen_vl, max_num_batched_tokens=16)
@@ -194,13 +194,13 @@ def test_qwen_vl_greedy_equals_transformers(qwen_vl):
     assert run(engine, [qwen_prompt(cases[1])]) == [refs[1]]
     # Text alone rotates as plain rope (its three positions are equal).
     text = qwen_inputs(qwen_vl, "user: Once upon a time\nassistant:", [])
-    assert run(engine, [text["input_ids"][0].tolist()]) == [hf_qwen_greedy(qwen_vl, text, MAX_NEW)]
+    assert run(engine, [text["input_ids"][0].tolist()]) == [hf_generate(qwen_vl, text, MAX_NEW)]
 
 
 def test_qwen_vl_preempted_sequences_recompute_their_positions(qwen_vl):
     cases = [qwen_inputs(qwen_vl, QWEN_TEXT, [image(10 + i, SIZES[i % 2]), image(20 + i, SIZES[1 - i % 2])])
              for i in range(3)]
-    refs = [hf_qwen_greedy(qwen_vl, enc, 40) for enc in cases]
+    refs = [hf_generate(qwen_vl, enc, 40) for enc in cases]
     # 8 blocks of 16 tokens: three 43-token prompts growing to 83 cannot all stay.
     engine = make_engine(qwen_vl, num_kv_blocks=8, block_size=16, max_num_batched_tokens=64, max_model_len=128,
                          enable_prefix_caching=False, async_scheduling=True)
@@ -235,24 +235,22 @@ def test_the_tower_runs_when_a_chunk_reaches_the_images(llava):
 
 # ---- Mistral 3: the Pixtral tower, images of any size, rows of features ended by [IMG_BREAK] ----------
 
-def test_mistral3_greedy_equals_transformers(tmp_path):
-    import transformers
+def sized_prompts(cases: list[dict]) -> list[ImagePrompt]:
+    """ImagePrompts of processor outputs whose images carry their sizes (Mistral 3, LLaVA-NeXT)."""
+    return [ImagePrompt(enc["input_ids"][0].tolist(), ImageInputs(enc["pixel_values"], (f"{k}a", f"{k}b"), None,
+                                                                  enc["image_sizes"]))
+            for k, enc in enumerate(cases)]
 
+
+def test_mistral3_greedy_equals_transformers(tmp_path):
     path = save_tiny_mistral3(tmp_path / "mistral3")
     text = "user: Once upon a time [IMG] there was [IMG] a\nassistant:"
     cases = [mistral3_inputs(path, text, [image(1, (40, 56)), image(2, (70, 30))]),  # 12 and 8 features
              mistral3_inputs(path, text, [image(3, (64, 64)), image(4, (30, 20))])]  # 16 and 2
-    model = transformers.Mistral3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    refs = []
-    for enc in cases:
-        with torch.no_grad():
-            out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, pad_token_id=0)
-        refs.append(out[0, enc["input_ids"].shape[1]:].tolist())
+    refs = [hf_generate(path, enc, MAX_NEW) for enc in cases]
     # Both at once: one run of the tower over both prompts' images, padded to one size.
     engine = make_engine(path, max_num_batched_tokens=16)
-    prompts = [ImagePrompt(enc["input_ids"][0].tolist(), ImageInputs(enc["pixel_values"], (f"h{k}a", f"h{k}b"), None,
-                                                                       enc["image_sizes"]))
-               for k, enc in enumerate(cases)]
+    prompts = sized_prompts(cases)
     assert run(engine, prompts) == refs
     with pytest.raises(InvalidRequestError, match="image_sizes"):
         engine.add_request(ImagePrompt(prompts[0], ImageInputs(cases[0]["pixel_values"], ("x", "y"))),
@@ -261,22 +259,12 @@ def test_mistral3_greedy_equals_transformers(tmp_path):
 
 def test_llava_next_greedy_equals_transformers(tmp_path):
     # LLaVA-NeXT: each image tiled at its best pinpoint; its count follows its size (92 features here).
-    import transformers
-
     path = save_tiny_llava_next(tmp_path / "llava-next")
     cases = [hf_next_inputs(path, TEXT, [image(1, (40, 70)), image(2, (30, 30))]),
              hf_next_inputs(path, TEXT, [image(3, (70, 40)), image(4, (64, 20))])]
-    model = transformers.LlavaNextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    refs = []
-    for enc in cases:
-        with torch.no_grad():
-            out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, pad_token_id=0)
-        refs.append(out[0, enc["input_ids"].shape[1]:].tolist())
+    refs = [hf_generate(path, enc, MAX_NEW) for enc in cases]
     engine = make_engine(path, max_num_batched_tokens=16)
-    prompts = [ImagePrompt(enc["input_ids"][0].tolist(), ImageInputs(enc["pixel_values"], (f"n{k}a", f"n{k}b"), None,
-                                                                       enc["image_sizes"]))
-               for k, enc in enumerate(cases)]
-    assert run(engine, prompts) == refs  # both at once: one tower run over every tile
+    assert run(engine, sized_prompts(cases)) == refs  # both at once: one tower run over every tile
 
 
 def test_ngram_speculation_with_images_is_lossless(llava, qwen_vl):
@@ -286,7 +274,7 @@ def test_ngram_speculation_with_images_is_lossless(llava, qwen_vl):
              (qwen_vl, None, qwen_inputs(qwen_vl, QWEN_TEXT, [image(1, SIZES[0]), image(2, SIZES[1])]))]
     for path, prompt, enc in cases:
         ref = hf_greedy(path, list(prompt), prompt.images.pixel_values, 40) if enc is None else \
-            hf_qwen_greedy(path, enc, 40)
+            hf_generate(path, enc, 40)
         prompt = prompt if enc is None else qwen_prompt(enc)
         engine = make_engine(path, speculative_method="ngram", num_speculative_tokens=3, max_num_batched_tokens=16,
                              speculative_adaptive=False)

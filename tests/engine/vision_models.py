@@ -1,7 +1,8 @@
-"""A tiny LLaVA for the vision-language tests: the bundled tokenizer with an `<image>` token, a random
-CLIP vision tower (32x32 images, 8x8 patches: 16 features per image), a random Llama decoder, and
-the model's own LlavaProcessor; saved with save_pretrained, as a real checkpoint is. Plus the
-transformers reference: the processor's ids and pixels, and greedy generate."""
+"""Tiny vision-language models for the tests, saved with save_pretrained as real checkpoints are:
+LLaVA and LLaVA-NeXT (a random CLIP tower, 32x32 images or tiles, 8x8 patches: 16 features each),
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL and Mistral 3, each with the bundled model's real weights as its
+decoder and the bundled tokenizer with the model's image tokens. Plus the transformers reference:
+what each model's processor gives (ids with placeholders expanded, pixels), and greedy generate."""
 
 from __future__ import annotations
 
@@ -22,29 +23,56 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_tiny_llava(path: Path, strategy: str = "default", feature_layer: int | list[int] = -2) -> Path:
+def _tokenizer(*special: str):
+    """The bundled tokenizer with the model's image tokens (ids 512 on)."""
     import transformers
 
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(BUNDLED_MODEL)
-    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    # The decoder is the bundled model (real weights: its text depends on what it sees), one embedding
-    # row longer for `<image>`.
+    tok.add_special_tokens({"additional_special_tokens": list(special)})
+    return tok
+
+
+def _llava_parts(tok):
+    """(text config, vision config) of the tiny LLaVAs: the bundled decoder, one embedding row longer
+    per image token, and a random CLIP tower (32 px, 8 px patches)."""
+    import transformers
+
     text = transformers.LlamaConfig.from_pretrained(BUNDLED_MODEL)
     text.vocab_size = len(tok)
     vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                            num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
+    return text, vision
+
+
+def _load_decoder(model, tok, boosted) -> None:
+    """The bundled model's real weights into model's decoder (its text then depends on what it sees;
+    parameters it lacks: biases zero, norms one), and the boosted weights times 8 (so that the images
+    visibly steer it)."""
+    import transformers
+
+    stories = transformers.LlamaForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32)
+    stories.resize_token_embeddings(len(tok), mean_resizing=False)
+    state = stories.model.state_dict()
+    with torch.no_grad():
+        for name, p in model.model.language_model.named_parameters():
+            p.copy_(state[name] if name in state else torch.ones_like(p) if name.endswith("norm.weight")
+                    else torch.zeros_like(p))
+        for p in boosted:
+            p.mul_(8)
+
+
+def save_tiny_llava(path: Path, strategy: str = "default", feature_layer: int | list[int] = -2) -> Path:
+    import transformers
+
+    tok = _tokenizer(IMAGE_TOKEN)
+    text, vision = _llava_parts(tok)
     config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=len(tok) - 1,
                                       vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,
                                       image_seq_length=TOKENS_PER_IMAGE + (strategy == "full"),
                                       tie_word_embeddings=True)
     torch.manual_seed(7)
     model = transformers.LlavaForConditionalGeneration(config).eval()
-    decoder = transformers.LlamaForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32)
-    decoder.resize_token_embeddings(len(tok), mean_resizing=False)
-    model.model.language_model.load_state_dict(decoder.model.state_dict())
-    with torch.no_grad():  # larger projector weights: the images visibly steer the decoder
-        for p in model.model.multi_modal_projector.parameters():
-            p.mul_(8)
+    _load_decoder(model, tok, model.model.multi_modal_projector.parameters())
     model.save_pretrained(path)
     images = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=8,
@@ -80,13 +108,26 @@ def hf_inputs(path: Path, text: str, images: list):
 
 
 def hf_greedy(path: Path, ids: list[int], pixel_values, max_new_tokens: int) -> list[int]:
+    return hf_generate(path, {"input_ids": torch.tensor([ids]), "pixel_values": pixel_values}, max_new_tokens)
+
+
+def hf_generate(path: Path, enc: dict, max_new_tokens: int) -> list[int]:
+    """transformers' greedy new ids for the processor's outputs enc (any of the tiny models)."""
     import transformers
 
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([ids]), pixel_values=pixel_values, do_sample=False,
-                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             pad_token_id=0)
+    return out[0, enc["input_ids"].shape[1]:].tolist()
+
+
+def _text_fields(s, tok) -> dict:
+    """The bundled model's decoder fields (config s) as a text_config dict, vocabulary with tok's tokens."""
+    return {"vocab_size": len(tok), "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
+            "num_hidden_layers": s.num_hidden_layers, "num_attention_heads": s.num_attention_heads,
+            "num_key_value_heads": s.num_key_value_heads, "max_position_embeddings": 512,
+            "rms_norm_eps": s.rms_norm_eps, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True}
 
 
 QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -101,16 +142,11 @@ def save_tiny_qwen_vl(path: Path, version: str = "2") -> Path:
     matter), and the model's image processor (4-16 features per image)."""
     import transformers
 
-    tok = transformers.PreTrainedTokenizerFast.from_pretrained(BUNDLED_MODEL)
-    tok.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS)})
+    tok = _tokenizer(*QWEN_TOKENS)
     ids = dict(zip(QWEN_TOKENS, tok.convert_tokens_to_ids(list(QWEN_TOKENS))))
-    stories = transformers.LlamaForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32)
-    s = stories.config
-    text = {"vocab_size": len(tok), "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
-            "num_hidden_layers": s.num_hidden_layers, "num_attention_heads": s.num_attention_heads,
-            "num_key_value_heads": s.num_key_value_heads, "max_position_embeddings": 512, "rms_norm_eps": s.rms_norm_eps,
-            "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10.0, "mrope_section": [1, 2, 1]}}
+    s = transformers.LlamaConfig.from_pretrained(BUNDLED_MODEL)
+    text = _text_fields(s, tok) | {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10.0, "mrope_section": [1, 2, 1]}}
     common = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
               "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
               "tie_word_embeddings": True}
@@ -137,18 +173,9 @@ def save_tiny_qwen_vl(path: Path, version: str = "2") -> Path:
         model_cls = transformers.Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(11)
     model = model_cls(config).eval()
-    decoder = model.model.language_model
-    stories.resize_token_embeddings(len(tok), mean_resizing=False)
-    state = stories.model.state_dict()
-    with torch.no_grad():
-        for name, p in decoder.named_parameters():  # q/k/v biases zero, q/k norms one
-            p.copy_(state[name] if name in state else torch.ones_like(p) if name.endswith("norm.weight")
-                    else torch.zeros_like(p))
-        for p in model.model.visual.merger.parameters():  # larger merger weights: the images steer the decoder
-            p.mul_(8)
-        for merger in getattr(model.model.visual, "deepstack_merger_list", []):
-            for p in merger.parameters():
-                p.mul_(8)
+    visual = model.model.visual
+    _load_decoder(model, tok, [*visual.merger.parameters(),
+                               *(p for m in getattr(visual, "deepstack_merger_list", []) for p in m.parameters())])
     model.save_pretrained(path)
     # The image processor and tokenizer, not Qwen2VLProcessor (its video half needs torchvision).
     side = 2 * patch  # pixels per feature
@@ -177,16 +204,6 @@ def qwen_inputs(path: Path, text: str, pictures: list) -> dict:
     return enc
 
 
-def hf_qwen_greedy(path: Path, enc: dict, max_new_tokens: int) -> list[int]:
-    import transformers
-
-    model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             pad_token_id=0)
-    return out[0, enc["input_ids"].shape[1]:].tolist()
-
-
 PIXTRAL_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 
 
@@ -195,15 +212,9 @@ def save_tiny_mistral3(path: Path) -> Path:
     an image up to 64 px) and projector in front of the bundled model's weights as a Mistral decoder."""
     import transformers
 
-    tok = transformers.PreTrainedTokenizerFast.from_pretrained(BUNDLED_MODEL)
-    tok.add_special_tokens({"additional_special_tokens": list(PIXTRAL_TOKENS)})
-    stories = transformers.LlamaForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32)
-    s = stories.config
-    text = {"model_type": "mistral", "vocab_size": len(tok), "hidden_size": s.hidden_size,
-            "intermediate_size": s.intermediate_size, "num_hidden_layers": s.num_hidden_layers,
-            "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_key_value_heads,
-            "head_dim": s.head_dim, "max_position_embeddings": 512, "rms_norm_eps": s.rms_norm_eps,
-            "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True, "sliding_window": None}
+    tok = _tokenizer(*PIXTRAL_TOKENS)
+    s = transformers.LlamaConfig.from_pretrained(BUNDLED_MODEL)
+    text = _text_fields(s, tok) | {"model_type": "mistral", "head_dim": s.head_dim, "sliding_window": None}
     vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "head_dim": 8, "image_size": 64, "patch_size": 8}
     config = transformers.Mistral3Config(vision_config=vision, text_config=text,
@@ -211,11 +222,8 @@ def save_tiny_mistral3(path: Path) -> Path:
                                          tie_word_embeddings=True)
     torch.manual_seed(13)
     model = transformers.Mistral3ForConditionalGeneration(config).eval()
-    stories.resize_token_embeddings(len(tok), mean_resizing=False)
-    model.model.language_model.load_state_dict(stories.model.state_dict())
-    with torch.no_grad():  # larger projector weights: the images steer the decoder
-        for p in (model.model.multi_modal_projector.linear_1.weight, model.model.multi_modal_projector.linear_2.weight):
-            p.mul_(8)
+    projector = model.model.multi_modal_projector
+    _load_decoder(model, tok, [projector.linear_1.weight, projector.linear_2.weight])
     model.save_pretrained(path)
     transformers.PixtralImageProcessor(size={"longest_edge": 64}, patch_size=8).save_pretrained(path)
     tok.chat_template = CHAT_TEMPLATE.replace("<image>", "[IMG]")
@@ -252,24 +260,16 @@ def save_tiny_llava_next(path: Path) -> Path:
     32x64, 64x32 and 64x64, a random image_newline, and the model's own LlavaNextProcessor."""
     import transformers
 
-    tok = transformers.PreTrainedTokenizerFast.from_pretrained(BUNDLED_MODEL)
-    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    text = transformers.LlamaConfig.from_pretrained(BUNDLED_MODEL)
-    text.vocab_size = len(tok)
-    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                           num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
+    tok = _tokenizer(IMAGE_TOKEN)
+    text, vision = _llava_parts(tok)
     pinpoints = [[32, 64], [64, 32], [64, 64]]
     config = transformers.LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=len(tok) - 1,
                                           image_grid_pinpoints=pinpoints, vision_feature_layer=-2,
                                           vision_feature_select_strategy="default", tie_word_embeddings=True)
     torch.manual_seed(17)
     model = transformers.LlavaNextForConditionalGeneration(config).eval()
-    decoder = transformers.LlamaForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32)
-    decoder.resize_token_embeddings(len(tok), mean_resizing=False)
-    model.model.language_model.load_state_dict(decoder.model.state_dict())
+    _load_decoder(model, tok, model.model.multi_modal_projector.parameters())
     with torch.no_grad():
-        for p in model.model.multi_modal_projector.parameters():
-            p.mul_(8)
         model.model.image_newline.normal_(0, 1)
     model.save_pretrained(path)
     images = transformers.LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},

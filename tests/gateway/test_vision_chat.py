@@ -82,13 +82,17 @@ def ask(url: str, messages: list[dict], **kw):
                                           extra_body={"ignore_eos": True}, **kw)
 
 
-def reference(llava: Path, pictures: list) -> tuple[str, int]:
+def new_text(path: Path, ids: list[int], out: list[int]) -> str:
+    """The new tokens' text as decoded after the prompt (with its leading space), as the server streams it."""
     from transformers import AutoTokenizer
 
+    tok = AutoTokenizer.from_pretrained(path)
+    return tok.decode(ids + out, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)):]
+
+
+def reference(llava: Path, pictures: list) -> tuple[str, int]:
     ids, pixels = hf_inputs(llava, RENDERED, pictures)
-    out = hf_greedy(llava, ids, pixels, MAX_NEW)
-    tok = AutoTokenizer.from_pretrained(llava)  # the new text as decoded after the prompt (its leading space)
-    return tok.decode(ids + out, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)):], len(ids)
+    return new_text(llava, ids, hf_greedy(llava, ids, pixels, MAX_NEW)), len(ids)
 
 
 def test_chat_with_images_answers_as_transformers(server, llava):
@@ -156,10 +160,9 @@ def test_size_dependent_images_through_chat(tmp_path, family):
     """Images whose feature count follows their size (Qwen2-VL: a run per image; Mistral 3: rows ended
     by [IMG_BREAK] and [IMG_END]; LLaVA-NeXT: tiles), through an in-process server, answered as
     transformers does."""
-    import torch
-    import transformers
     from gateway_helpers import InProcessGateway
     from vision_models import (
+        hf_generate,
         hf_next_inputs,
         mistral3_inputs,
         qwen_inputs,
@@ -179,12 +182,8 @@ def test_size_dependent_images_through_chat(tmp_path, family):
         marker, inputs = "[IMG]", mistral3_inputs
     pictures = [image(1, (60, 90)), image(2, (100, 50))]
     enc = inputs(path, f"user: Once upon a time {marker} there was {marker} a\nassistant:", pictures)
-    model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, pad_token_id=0)
-    ids, out = enc["input_ids"][0].tolist(), out[0, enc["input_ids"].shape[1]:].tolist()
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    want = tok.decode(ids + out, skip_special_tokens=True)[len(tok.decode(ids, skip_special_tokens=True)):]
+    ids = enc["input_ids"][0].tolist()
+    want = new_text(path, ids, hf_generate(path, enc, MAX_NEW))
     gw = InProcessGateway(engine_kwargs={"model": str(path), "max_num_batched_tokens": 16})
     try:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)

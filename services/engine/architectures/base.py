@@ -32,3 +32,20 @@ class Architecture:
     # Checkpoint tensors whose random stand-in (--load-format dummy) is zero, not one (norm
     # weights stored as an offset from 1, as Gemma's are). Names end with one of these.
     zero_norms: bool = False
+
+
+def vision_language(name: str, parse_config: ParseConfig) -> Architecture:
+    """A vision-language model's entry: parse_config returns its text decoder's ModelConfig (naming
+    the text architecture), so the decoder's shapes and weights are that architecture's; the vision
+    half is kvrelay.engine.multimodal's."""
+
+    def delegate(attr: str):
+        def call(config: ModelConfig, *args):
+            from kvrelay.engine.architectures import get
+
+            return getattr(get(config.architecture), attr)(config, *args)
+
+        return call
+
+    return Architecture(name=name, parse_config=parse_config, expected_shapes=delegate("expected_shapes"),
+                        assemble=delegate("assemble"))

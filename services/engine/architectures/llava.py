@@ -1,5 +1,6 @@
-"""LLaVA (LlavaForConditionalGeneration) and Mistral 3 (Mistral3ForConditionalGeneration): a vision
-tower and a projector in front of a Llama-family decoder. The decoder is exactly the text model's architecture: this entry reads `text_config` and
+"""LLaVA (LlavaForConditionalGeneration, LlavaNextForConditionalGeneration) and Mistral 3
+(Mistral3ForConditionalGeneration): a vision tower and a projector in front of a Llama-family
+decoder. The decoder is exactly the text model's architecture: this entry reads `text_config` and
 returns the text architecture's ModelConfig, so the decoder loads, runs and is checked as that
 model does (its tensors sit under "language_model.", weights.stored_name_candidates). The vision
 half lives in kvrelay.engine.multimodal, which reads the rest of config.json.
@@ -7,7 +8,7 @@ half lives in kvrelay.engine.multimodal, which reads the rest of config.json.
 
 from __future__ import annotations
 
-from kvrelay.engine.architectures.base import Architecture
+from kvrelay.engine.architectures.base import vision_language
 from kvrelay.engine.errors import ModelLoadError
 from kvrelay.engine.model_config import ModelConfig
 
@@ -25,11 +26,8 @@ def text_config(raw: dict, source: str) -> dict:
     if model_type not in TEXT_ARCHITECTURES:
         raise ModelLoadError(f"{source}: text_config.model_type {model_type!r} is not supported under LLaVA; "
                              f"supported: {', '.join(TEXT_ARCHITECTURES)}")
-    try:
-        from transformers import CONFIG_MAPPING
-    except ImportError as e:
-        raise ModelLoadError("vision-language models need transformers for their image processor and vision "
-                             "tower: pip install 'kvrelay[multimodal]'") from e
+    from transformers import CONFIG_MAPPING
+
     full = CONFIG_MAPPING[model_type](**text).to_dict()
     # A LLaVA file's dtype sits at the top level.
     full["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype") or full.get("torch_dtype") or full.get("dtype")
@@ -44,22 +42,8 @@ def parse(raw: dict, source: str, arch: str) -> ModelConfig:
     return inner.parse_config(text, f"{source} (text_config)", inner.name)
 
 
-def _delegate(attr: str):
-    """The text architecture's function: parse() names it in ModelConfig.architecture, so these run
-    only for a ModelConfig built some other way."""
-
-    def call(config: ModelConfig, *args):
-        from kvrelay.engine.architectures import get
-
-        return getattr(get(config.architecture), attr)(config, *args)
-
-    return call
-
-
 # LLaVA-NeXT: LLaVA's tower on tiles of the image. Mistral 3 (Mistral Small 3.1 and later): a Pixtral
 # tower before the same layout of a Mistral decoder.
-ARCHITECTURES = [
-    Architecture(name=name, parse_config=parse, expected_shapes=_delegate("expected_shapes"),
-                 assemble=_delegate("assemble"))
-    for name in ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", "Mistral3ForConditionalGeneration")
-]
+ARCHITECTURES = [vision_language(name, parse)
+                 for name in ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                              "Mistral3ForConditionalGeneration")]

@@ -3,18 +3,17 @@ features per image (by its size), in front of a Qwen2 (Qwen3-VL: Qwen3) decoder 
 rotary positions (M-RoPE; Qwen3-VL interleaves its sections and adds "deepstack" features of the
 tower's middle layers to the first decoder layers' outputs at the image rows).
 
-As with LLaVA (llava.py), the decoder is its text architecture, Qwen2: this entry reads the text
+As with LLaVA (llava.py), the decoder is its text architecture (Qwen2 or Qwen3): this entry reads the text
 fields (`text_config`, or the top level in the hub's files) and returns the decoder's ModelConfig
-with `mrope_section` set; the decoder's tensors sit under "model." or "model.language_model.". The vision half and the
-positions are kvrelay.engine.multimodal's.
+with `mrope_section` set; the decoder's tensors sit under "model." or "model.language_model.". The
+vision half and the positions are kvrelay.engine.multimodal's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from kvrelay.engine.architectures.base import Architecture
-from kvrelay.engine.architectures.llava import _delegate
+from kvrelay.engine.architectures.base import vision_language
 from kvrelay.engine.errors import ModelLoadError
 from kvrelay.engine.model_config import ModelConfig
 
@@ -47,8 +46,4 @@ TEXT = {  # architecture -> its decoder's
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
 }
 
-ARCHITECTURES = [
-    Architecture(name=name, parse_config=parse, expected_shapes=_delegate("expected_shapes"),
-                 assemble=_delegate("assemble"))
-    for name in TEXT
-]
+ARCHITECTURES = [vision_language(name, parse) for name in TEXT]

@@ -2,16 +2,15 @@
 chat prompts.
 
 - config.py: what config.json says about images (the placeholder token, tokens per image).
-- processor.py: the API side: images decoded, turned into pixels by the model's own image
-  processor (transformers), and the prompt's placeholders expanded: an ImagePrompt.
-- inputs.py: ImagePrompt, and the images a sequence carries in the engine.
-- encoder.py: LLaVA's vision tower and projector (LLaVA-NeXT's on tiles, anyres.py); qwen_vision.py: the Qwen-VL vision transformers;
-  pixtral_vision.py: Mistral 3's Pixtral tower and projector; each runs on a step's new images at
-  the first chunk that reaches them.
+- inputs.py: ImagePrompt (what the API side, kvrelay.gateway.images, sends), the images a sequence
+  carries in the engine, and a step's image rows.
+- encoder.py: LLaVA's vision tower and projector (LLaVA-NeXT's on tiles, anyres.py);
+  pixtral_vision.py: Mistral 3's; qwen_vision.py: the Qwen-VL vision transformers. Each runs on a
+  step's new images at the first chunk that reaches them.
 - mrope.py: Qwen2-VL's multimodal rotary positions (time, height, width per image feature).
 
 The decoder runs as the text model it is; a prefill chunk's placeholder rows take the image
-features in place of the token embedding (StepBatch.image_rows), as transformers' masked scatter
+features in place of the token embedding (StepBatch.images), as transformers' masked scatter
 does. For the prefix cache's block keys each placeholder stands for its image (inputs.cache_keys):
 blocks are shared only where the images are the same, and blocks before an image with any prompt.
 """
@@ -57,5 +56,5 @@ def load_vision(args, model_dir: Path, config, dtype: torch.dtype, device: torch
     if cfg.anyres:
         from kvrelay.engine.multimodal.encoder import LlavaNextEncoder
 
-        return LlavaNextEncoder(cfg, model_dir, config.hidden_size, dtype, device, dummy=dummy)
-    return VisionEncoder(cfg, model_dir, config.hidden_size, dtype, device, dummy=dummy)
+        return LlavaNextEncoder(cfg, model_dir, dtype, device, dummy)
+    return VisionEncoder(cfg, model_dir, dtype, device, dummy)

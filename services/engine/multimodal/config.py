@@ -26,10 +26,9 @@ class VisionConfig:
     # size (Qwen2-VL: its patch grid over spatial_merge squared).
     tokens_per_image: int | None
     vision: dict  # config.json's vision_config, for the tower's own config class
-    # LLaVA's tower and projector
+    # LLaVA's and Mistral 3's tower
     feature_layers: tuple[int, ...] = ()  # hidden states read (concatenated when several)
     drop_class_token: bool = False  # vision_feature_select_strategy "default": the first feature is dropped
-    projector_act: str = "gelu"
     image_size: int = 0
     # Qwen2-VL, Mistral 3: patches merged per feature along each side
     spatial_merge: int = 1
@@ -96,5 +95,5 @@ def read_vision_config(model_dir: Path) -> VisionConfig | None:
             raise ModelLoadError(f"{path}: LLaVA-NeXT needs image_grid_pinpoints and one feature per patch "
                                  "(a CLIP tower with vision_feature_select_strategy default)")
         tokens = None
-    return VisionConfig(arch, token, tokens, vision | {"model_type": tower}, layers, strategy == "default",
-                        raw.get("projector_hidden_act", "gelu"), image_size, grid_pinpoints=pinpoints)
+    return VisionConfig(arch, token, tokens, vision, layers, strategy == "default",
+                        image_size, grid_pinpoints=pinpoints)

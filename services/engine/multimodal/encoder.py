@@ -1,146 +1,123 @@
 """The vision half of a LLaVA model: its vision tower and the projector that maps the tower's
 features into the decoder's embedding space.
 
-The tower is transformers' own module for its config (CLIP or SigLIP vision), loaded with the
-checkpoint's tensors: it runs once per image, at the image's first prefill chunk, so the decoder's
-kernels and graphs are where the time goes, and the reference implementation keeps every tower
-detail (class token, position interpolation, the layers read) exact. The projector is two linear
-layers around the config's activation.
+Both are transformers' own modules for the model's config (the tower CLIP or SigLIP vision, the
+projector the family's), loaded with the checkpoint's tensors: the tower runs once per image, at
+the image's first prefill chunk, so the decoder's kernels and graphs are where the time goes, and
+the reference implementation keeps every detail (class token, position interpolation, the layers
+read, the projector's activation and biases) exact.
 """
 
 from __future__ import annotations
 
-import logging
+import importlib
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from kvrelay.engine.errors import ModelLoadError
 from kvrelay.engine.multimodal.config import VisionConfig
 from kvrelay.engine.weights import shard_files
 from safetensors import safe_open
 
-log = logging.getLogger(__name__)
-
 TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.")
 PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
+PROJECTORS = {  # architecture -> (transformers module, class)
+    "LlavaForConditionalGeneration": ("llava.modeling_llava", "LlavaMultiModalProjector"),
+    "LlavaNextForConditionalGeneration": ("llava_next.modeling_llava_next", "LlavaNextMultiModalProjector"),
+    "Mistral3ForConditionalGeneration": ("mistral3.modeling_mistral3", "Mistral3MultiModalProjector"),
+}
 
 
-def require_transformers():
-    try:
-        import transformers
-    except ImportError as e:
-        raise ModelLoadError("vision-language models need transformers (their vision tower and image "
-                             "processor): pip install 'kvrelay[multimodal]'") from e
-    return transformers
+def transformers_class(module: str, name: str):
+    """transformers.models.<module>.<name>."""
+    return getattr(importlib.import_module(f"transformers.models.{module}"), name)
 
 
-def _finder(model_dir: Path, files: dict[str, Path]):
-    def find(prefixes: tuple[str, ...], key: str, inner: tuple[str, ...] = ("",)) -> str:
+class Checkpoint:
+    """The model folder's safetensors, read by name, a name found under any of a few prefixes
+    (transformers saves LLaVA's tower as vision_tower.<key>, older checkpoints as
+    vision_tower.vision_model.<key>, transformers' own layout adds "model.")."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self.files = shard_files(model_dir)
+
+    def find(self, prefixes: tuple[str, ...], key: str, inner: tuple[str, ...] = ("",)) -> str:
         for p in prefixes:
             for mid in inner:
-                if p + mid + key in files:
+                if p + mid + key in self.files:
                     return p + mid + key
-        raise ModelLoadError(f"{model_dir}: the vision-language checkpoint has no tensor for {prefixes[0]}{key}")
+        raise ModelLoadError(f"{self.model_dir}: the vision-language checkpoint has no tensor for {prefixes[0]}{key}")
 
-    return find
-
-
-def _reader(files: dict[str, Path]):
-    def read(name: str) -> torch.Tensor:
-        with safe_open(str(files[name]), framework="pt") as st:
+    def read(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.files[name]), framework="pt") as st:
             return st.get_tensor(name)
 
-    return read
-
-
-def load_module(module: torch.nn.Module, model_dir: Path, files: dict[str, Path], prefixes: tuple[str, ...],
-                inner: tuple[str, ...] = ("",)) -> None:
-    """Every tensor of module's state dict from the checkpoint, stored as <prefix><inner><key>."""
-    find, read = _finder(model_dir, files), _reader(files)
-    state = {}
-    for key, param in module.state_dict().items():
-        t = read(find(prefixes, key, inner))
-        if t.shape != param.shape:
-            raise ModelLoadError(f"{model_dir}: vision tensor {key!r} has shape {list(t.shape)}, expected "
-                                 f"{list(param.shape)} from vision_config")
-        state[key] = t
-    module.load_state_dict(state)
+    def load_module(self, module: torch.nn.Module, prefixes: tuple[str, ...], inner: tuple[str, ...] = ("",)) -> None:
+        """Every tensor of module's state dict, stored as <prefix><inner><key>."""
+        state = {}
+        for key, param in module.state_dict().items():
+            t = self.read(self.find(prefixes, key, inner))
+            if t.shape != param.shape:
+                raise ModelLoadError(f"{self.model_dir}: vision tensor {key!r} has shape {list(t.shape)}, expected "
+                                     f"{list(param.shape)} from config.json")
+            state[key] = t
+        module.load_state_dict(state)
 
 
 class VisionEncoder:
-    def __init__(self, cfg: VisionConfig, model_dir: Path, text_hidden: int, dtype: torch.dtype,
-                 device: torch.device, dummy: bool = False):
-        transformers = require_transformers()
+    """LLaVA's tower and projector (Mistral 3's and LLaVA-NeXT's subclass it)."""
+
+    def __init__(self, cfg: VisionConfig, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                 dummy: bool = False):
+        import transformers
+
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
-        tower_config = transformers.CONFIG_MAPPING[cfg.vision["model_type"]](**cfg.vision)
-        self.tower = transformers.AutoModel.from_config(tower_config).eval()
-        self.act = transformers.activations.ACT2FN[cfg.projector_act]
-        in_features = tower_config.hidden_size * len(cfg.feature_layers)
-        shapes = {"linear_1.weight": (text_hidden, in_features), "linear_2.weight": (text_hidden, text_hidden)}
-        if dummy:  # --load-format dummy: the tower's own initialisation, a random projector
-            gen = torch.Generator().manual_seed(0)
-            self.proj = {k: torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()}
-        else:
-            self.proj = self._load(model_dir, shapes)
+        config = transformers.AutoConfig.from_pretrained(model_dir)  # with its defaults
+        self.tower = transformers.AutoModel.from_config(config.vision_config).eval()
+        self.projector = transformers_class(*PROJECTORS[cfg.architecture])(config).eval()
+        if not dummy:  # --load-format dummy: the modules' own initialisation
+            ckpt = Checkpoint(model_dir)
+            ckpt.load_module(self.tower, TOWER_PREFIXES, ("", "vision_model."))
+            ckpt.load_module(self.projector, PROJECTOR_PREFIXES)
         self.tower.to(device=device, dtype=dtype)
-        self.proj = {k: v.to(device=device, dtype=dtype) for k, v in self.proj.items()}
+        self.projector.to(device=device, dtype=dtype)
 
-    def _load(self, model_dir: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-        files = shard_files(model_dir)
-        # transformers saves CLIP's tower as vision_tower.<key>; older checkpoints as vision_tower.vision_model.<key>
-        load_module(self.tower, model_dir, files, TOWER_PREFIXES, ("", "vision_model."))
-        find, read = _finder(model_dir, files), _reader(files)
-        proj = {}
-        for key, shape in shapes.items():
-            t = read(find(PROJECTOR_PREFIXES, key))
-            if tuple(t.shape) != shape:
-                raise ModelLoadError(f"{model_dir}: projector tensor {key!r} has shape {list(t.shape)}, expected "
-                                     f"{list(shape)}")
-            proj[key] = t
-            bias = key.replace("weight", "bias")
-            if any(p + bias in files for p in PROJECTOR_PREFIXES):
-                proj[bias] = read(find(PROJECTOR_PREFIXES, bias))
-        return proj
-
-    def encode_many(self, images: list) -> list[torch.Tensor]:
-        """Each SequenceImages' features, in one run of the tower."""
-        feats = self.encode(torch.cat([im.pixel_values for im in images]))
-        return list(feats.split([len(im.positions) for im in images]))
-
-    @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
-        """Features of a prompt's images, in order: [images * tokens_per_image, text hidden]."""
-        feats = self.tiles(pixel_values)
-        return feats.reshape(-1, feats.shape[-1])
+    def selected(self, pixel_values: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The tower's hidden states of the layers read, concatenated, less the class token where the
+        model drops it."""
+        out = self.tower(pixel_values.to(device=self.device, dtype=self.dtype), output_hidden_states=True, **kwargs)
+        layers = [out.hidden_states[i] for i in self.cfg.feature_layers]
+        if self.cfg.drop_class_token:
+            layers = [h[:, 1:] for h in layers]
+        return torch.cat(layers, dim=-1)
 
     @torch.inference_mode()
     def tiles(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Projected features per image (or LLaVA-NeXT tile): [images, tokens_per_image, text hidden]."""
-        out = self.tower(pixel_values.to(device=self.device, dtype=self.dtype), output_hidden_states=True)
-        layers = [out.hidden_states[i] for i in self.cfg.feature_layers]
-        if self.cfg.drop_class_token:
-            layers = [h[:, 1:] for h in layers]
-        feats = torch.cat(layers, dim=-1)
-        p = self.proj
-        return F.linear(self.act(F.linear(feats, p["linear_1.weight"], p.get("linear_1.bias"))),
-                        p["linear_2.weight"], p.get("linear_2.bias"))
+        return self.projector(self.selected(pixel_values))
+
+    def encode_many(self, images: list) -> list[torch.Tensor]:
+        """Each SequenceImages' features, in one run of the tower."""
+        feats = self.tiles(torch.cat([im.pixel_values for im in images]))
+        return list(feats.reshape(-1, feats.shape[-1]).split([len(im.positions) for im in images]))
 
 
 class LlavaNextEncoder(VisionEncoder):
     """LLaVA's tower and projector on each image's tiles, laid out by anyres.pack with the learned
     image_newline (LLaVA-NeXT)."""
 
-    def __init__(self, cfg: VisionConfig, model_dir: Path, text_hidden: int, dtype: torch.dtype,
-                 device: torch.device, dummy: bool = False):
-        super().__init__(cfg, model_dir, text_hidden, dtype, device, dummy)
+    def __init__(self, cfg: VisionConfig, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                 dummy: bool = False):
+        super().__init__(cfg, model_dir, dtype, device, dummy)
         if dummy:
-            newline = torch.randn(text_hidden, generator=torch.Generator().manual_seed(1)) * 0.02
+            hidden = self.projector.linear_2.out_features
+            newline = torch.randn(hidden, generator=torch.Generator().manual_seed(1)) * 0.02
         else:
-            files = shard_files(model_dir)
-            newline = _reader(files)(_finder(model_dir, files)(("", "model."), "image_newline"))
+            ckpt = Checkpoint(model_dir)
+            newline = ckpt.read(ckpt.find(("", "model."), "image_newline"))
         self.newline = newline.to(device=device, dtype=dtype)
 
     @torch.inference_mode()

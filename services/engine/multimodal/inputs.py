@@ -60,21 +60,38 @@ class SequenceImages:
         return bool(lo < hi)
 
 
-def image_rows(spans: list[tuple[SequenceImages, int, int, int]], device: torch.device):
-    """(rows, features, deepstack features or None): the step's rows that take image features
-    instead of token embeddings, and those features; None when the step has none.
+@dataclass
+class StepImages:
+    """A step's image rows (StepBatch.images): they take features instead of token embeddings."""
+
+    rows: torch.Tensor  # [rows] int64, rows of the step's tokens
+    embeds: torch.Tensor  # [rows, hidden]
+    # Qwen3-VL: added to the outputs of the first decoder layers at the rows [levels, rows, hidden].
+    deepstack: torch.Tensor | None = None
+    # M-RoPE (mrope.py): the rows' (time, height, width) positions [3, rows], which differ, so each row
+    # rotates by a cos/sin row of its own.
+    rope_positions: torch.Tensor | None = None
+
+
+def image_rows(spans: list[tuple[SequenceImages, int, int, int]], device: torch.device) -> StepImages | None:
+    """The step's image rows and their features; None when the step has none.
     spans: (images, first position, tokens, first row in the step) per scheduled chunk."""
-    rows, parts, deep = [], [], []
+    rows, parts, deep, rope = [], [], [], []
     for images, start, count, first_row in spans:
         lo, hi = np.searchsorted(images.positions, [start, start + count])
         if lo < hi:
-            rows.append(images.positions[lo:hi] - start + first_row)
+            at = images.positions[lo:hi]
+            rows.append(at - start + first_row)
             parts.append(images.embeds[lo:hi])
             if images.deepstack is not None:
                 deep.append(images.deepstack[:, lo:hi])
+            if images.rope is not None:
+                rope.append(images.rope[:, at])
     if not rows:
         return None
-    return torch.from_numpy(np.concatenate(rows)).to(device), torch.cat(parts), torch.cat(deep, 1) if deep else None
+    return StepImages(torch.from_numpy(np.concatenate(rows)).to(device), torch.cat(parts),
+                      torch.cat(deep, 1) if deep else None,
+                      torch.from_numpy(np.concatenate(rope, axis=1)).to(device) if rope else None)
 
 
 def prompt_images(encoder, prompt, ids: list[int]) -> SequenceImages | None:
@@ -133,23 +150,20 @@ def cache_keys(ids: np.ndarray, positions: np.ndarray, counts: list[int], hashes
 
 
 def image_token_counts(cfg, images: ImageInputs) -> list[int]:
-    """Placeholder tokens per image: fixed (LLaVA), or each grid's t*h*w over the merge squared (Qwen2-VL)."""
+    """Placeholder tokens per image: fixed (LLaVA); by its size (LLaVA-NeXT's tiles, Mistral 3's merged
+    patches); or each grid's t*h*w over the merge squared (Qwen2-VL)."""
     from kvrelay.engine.errors import InvalidRequestError
 
-    if cfg.anyres:
-        from kvrelay.engine.multimodal.anyres import feature_count
-
+    if cfg.anyres or cfg.pixtral:
         sizes = images.image_sizes
         if sizes is None or sizes.shape != (images.pixel_values.shape[0], 2):
-            raise InvalidRequestError("images: LLaVA-NeXT images need their sizes (image_sizes), one (height, width) "
-                                      "row per image", field="messages")
+            raise InvalidRequestError(f"images: {cfg.architecture} images need their sizes (image_sizes), one "
+                                      "(height, width) row per image", field="messages")
+        if cfg.pixtral:
+            return ((sizes // (cfg.patch_size * cfg.spatial_merge)).prod(-1)).tolist()
+        from kvrelay.engine.multimodal.anyres import feature_count
+
         return [feature_count(cfg, tuple(s)) for s in sizes.tolist()]
-    if cfg.pixtral:
-        sizes = images.image_sizes
-        if sizes is None or sizes.ndim != 2 or sizes.shape != (images.pixel_values.shape[0], 2):
-            raise InvalidRequestError("images: Mistral 3 images need their sizes (image_sizes), one (height, width) "
-                                      "row per image", field="messages")
-        return ((sizes // (cfg.patch_size * cfg.spatial_merge)).prod(-1)).tolist()
     if not cfg.qwen:
         return [cfg.tokens_per_image] * images.pixel_values.shape[0]
     grid = images.grid_thw

@@ -7,8 +7,9 @@ text continues from the image's largest position + 1 (not from its token count),
 positions run behind its token indices by a fixed delta once its last image is past.
 
 So the engine keeps its plain path: the step's position of each row of such a sequence is rewritten
-to its rotary position (rope_rows), and only the image rows of a prefill chunk, whose axes differ,
-get a cos/sin row of their own (mixed_cos_sin), in steps that run eagerly anyway.
+to its rotary position (rotary_positions), and only the image rows of a prefill chunk, whose axes
+differ, get a cos/sin row of their own (StepImages.rope_positions, mixed_cos_sin), in steps that run
+eagerly anyway.
 """
 
 from __future__ import annotations
@@ -42,26 +43,17 @@ def mrope_positions(ids: np.ndarray, image_token_id: int, grids: list[tuple[int,
     return out, int(out.max()) + 1 - n if n else 0
 
 
-def rope_rows(positions: np.ndarray, spans) -> tuple[np.ndarray, np.ndarray] | None:
-    """Rewrite the step's positions of M-RoPE sequences to their rotary positions, in place.
-    spans: (SequenceImages, first position, tokens, first row) per such sequence in the step.
-    Returns (rows, [3, rows] positions) of the image rows, whose three axes differ; None if none."""
-    rows_out, pos_out = [], []
+def rotary_positions(positions: np.ndarray, spans) -> None:
+    """Rewrite the step's positions of M-RoPE sequences to their rotary positions, in place (an image
+    row gets its time position; its cos/sin row is mixed apart). spans: (SequenceImages, first
+    position, tokens, first row) per such sequence in the step."""
     for images, start, count, first_row in spans:
-        rope, length = images.rope, images.rope.shape[1]
+        rope = images.rope
         ps = np.arange(start, start + count)
         rows = np.arange(first_row, first_row + count)
-        inside = ps < length
+        inside = ps < rope.shape[1]
         positions[rows[inside]] = rope[0, ps[inside]]
         positions[rows[~inside]] = ps[~inside] + images.rope_delta
-        lo, hi = np.searchsorted(images.positions, [start, start + count])
-        if lo < hi:
-            at = images.positions[lo:hi]
-            rows_out.append(at - start + first_row)
-            pos_out.append(rope[:, at])
-    if not rows_out:
-        return None
-    return np.concatenate(rows_out), np.concatenate(pos_out, axis=1)
 
 
 def mixed_cos_sin(cache: torch.Tensor, pos3: torch.Tensor, section: tuple[int, ...],

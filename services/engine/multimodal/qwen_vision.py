@@ -1,17 +1,15 @@
-"""Qwen2-VL's and Qwen2.5-VL's vision transformer: patches in (the image processor's flattened
+"""The Qwen-VL vision transformers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): patches in (the image processor's flattened
 14x14x2 patches and each image's (t, h, w) grid), merged features out, one per 2x2 patches, already
 in the decoder's width. transformers' own module for the config, loaded from the checkpoint's
 "visual." tensors, as encoder.py does for LLaVA's tower."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import torch
 from kvrelay.engine.multimodal.config import VisionConfig
-from kvrelay.engine.multimodal.encoder import load_module, require_transformers
-from kvrelay.engine.weights import shard_files
+from kvrelay.engine.multimodal.encoder import Checkpoint, transformers_class
 
 TOWERS = {  # architecture -> (transformers module, class)
     "Qwen2VLForConditionalGeneration": ("qwen2_vl.modeling_qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
@@ -24,16 +22,15 @@ TOWERS = {  # architecture -> (transformers module, class)
 class QwenVisionEncoder:
     def __init__(self, cfg: VisionConfig, model_dir: Path, dtype: torch.dtype, device: torch.device,
                  dummy: bool = False):
-        transformers = require_transformers()
+        import transformers
+
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
         vision_config = transformers.AutoConfig.from_pretrained(model_dir).vision_config  # with its defaults
-        module, name = TOWERS[cfg.architecture]
-        tower_cls = getattr(importlib.import_module(f"transformers.models.{module}"), name)
-        self.tower = tower_cls._from_config(vision_config).eval()
+        self.tower = transformers_class(*TOWERS[cfg.architecture])._from_config(vision_config).eval()
         if not dummy:
-            load_module(self.tower, model_dir, shard_files(model_dir), ("visual.", "model.visual."))
+            Checkpoint(model_dir).load_module(self.tower, ("visual.", "model.visual."))
         self.tower.to(device=device, dtype=dtype)
 
     @torch.inference_mode()

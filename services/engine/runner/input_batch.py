@@ -16,7 +16,7 @@ import torch
 from kvrelay.engine.lora.stacked import step_plan
 from kvrelay.engine.model import StepBatch
 from kvrelay.engine.multimodal.inputs import image_rows
-from kvrelay.engine.multimodal.mrope import rope_rows
+from kvrelay.engine.multimodal.mrope import rotary_positions
 from kvrelay.engine.sequence import Sequence, Status
 
 _ALIGN = 16  # bytes: every typed region starts aligned for int64 views
@@ -145,7 +145,7 @@ class InputBatch:
         token_src: index in seqs -> index in the previous step's sampled tokens, for decodes whose
         input token the host does not know yet (see BuiltStep.token_src). adapters: per sequence of
         seqs, its LoRA adapter's index or -1 (StepBatch.lora); None when none has one. images: indices
-        of seqs whose chunk may hold image placeholders (features made: StepBatch.image_rows). rope:
+        of seqs whose chunk may hold image placeholders (features made: StepBatch.images). rope:
         indices of seqs with M-RoPE positions (kvrelay.engine.multimodal.mrope)."""
         bs = self.bs
         # Decode rows: single-token decodes, and the short extend chunks of speculative verification
@@ -272,9 +272,8 @@ class InputBatch:
         if images or rope:  # each scheduled sequence's first row in the step
             dec_first = range(len(dec)) if counts_dec is None else (np.cumsum(counts_dec) - counts_dec).tolist()
             first_row = dict(zip(dec, dec_first)) | dict(zip(pre, (nd + pad + np.cumsum(pre_counts) - pre_counts).tolist()))
-        mixed = None
         if rope:  # before the send: the rows' positions become rotary positions
-            mixed = rope_rows(positions, [(seqs[i].images, seqs[i].num_computed, num_new[i], first_row[i]) for i in rope])
+            rotary_positions(positions, [(seqs[i].images, seqs[i].num_computed, num_new[i], first_row[i]) for i in rope])
         src_off = None
         if token_src:
             if all_logits:
@@ -303,13 +302,8 @@ class InputBatch:
             per_token = np.concatenate([np.repeat(per_seq[dec], 1 if counts_dec is None else counts_dec),
                                         np.full(pad, -1, dtype=np.int64), np.repeat(per_seq[pre], pre_counts)])
             batch.lora = step_plan(per_token, self.device)
-        if mixed is not None:
-            batch.rope_rows = torch.from_numpy(mixed[0]).to(self.device)
-            batch.rope_positions = torch.from_numpy(mixed[1]).to(self.device)
         if images:
-            found = image_rows([(seqs[i].images, seqs[i].num_computed, num_new[i], first_row[i]) for i in images],
-                               self.device)
-            if found is not None:
-                batch.image_rows, batch.image_embeds, batch.image_deepstack = found
+            batch.images = image_rows([(seqs[i].images, seqs[i].num_computed, num_new[i], first_row[i])
+                                       for i in images], self.device)
         src_dev = None if src_off is None else v(src_off, (nd,), torch.int64)
         return BuiltStep(batch, sample_idx, nd, rows_per_sample, prompt_spans, src_dev)

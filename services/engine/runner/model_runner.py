@@ -63,7 +63,7 @@ class ModelRunner:
                 logits = self.model.collect()
             return logits
         # Graphs hold no adapter deltas or image features: a step with either runs eagerly.
-        size = None if self.piecewise is None or batch.lora or batch.image_rows is not None \
+        size = None if self.piecewise is None or batch.lora or batch.images is not None \
             else self.piecewise.bucket(batch.input_ids.shape[0])
         if size is None:
             logits = self.model.forward(batch, self.kv_cache)
